@@ -1,0 +1,100 @@
+"""Named device meshes.
+
+A mesh is an ordered set of named axes whose sizes multiply to the world size. Ranks are laid
+out row-major over the axes (the last axis varies fastest), as torch's ``init_device_mesh``
+does, so a rank's coordinate on each axis and the ranks sharing an axis group are pure
+arithmetic.
+
+Example::
+
+    >>> mesh = Mesh({"dp": 2, "tp": 2})
+    >>> mesh.size, mesh.coords(3), mesh.group("tp", 2)
+    (4, {'dp': 1, 'tp': 1}, [2, 3])
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+
+class Mesh:
+    """Named mesh axes, e.g. ``Mesh({"dp": 2, "tp": 2})``; also ``Mesh(device_mesh)``."""
+
+    def __init__(self, axes):
+        device_mesh = None
+        if not isinstance(axes, Mapping):
+            device_mesh = axes
+            names = getattr(axes, "mesh_dim_names", None)
+            if not names:
+                raise ValueError("a torch DeviceMesh needs mesh_dim_names to become an autoshard.Mesh")
+            axes = dict(zip(names, axes.mesh.shape))
+        if not axes:
+            raise ValueError("a mesh needs at least one axis")
+        for name, size in axes.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"mesh axis name {name!r} must be an identifier such as 'dp' or 'tp'")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes must be positive integers")
+        self.axes: dict[str, int] = dict(axes)
+        self.device_mesh = device_mesh
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.axes.values())
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.axes.values())
+
+    def axis_size(self, axis: str) -> int:
+        self.check_axis(axis)
+        return self.axes[axis]
+
+    def check_axis(self, axis: str) -> None:
+        if axis not in self.axes:
+            raise ValueError(f"unknown mesh axis {axis!r}; this mesh has axes {list(self.axes)}")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinate of ``rank`` on every axis (row-major, last axis fastest)."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
+        out = {}
+        for name in reversed(self.names):
+            out[name] = rank % self.axes[name]
+            rank //= self.axes[name]
+        return {name: out[name] for name in self.names}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        rank = 0
+        for name in self.names:
+            rank = rank * self.axes[name] + coords[name]
+        return rank
+
+    def group(self, axis: str, rank: int) -> list[int]:
+        """Ranks that share every coordinate with ``rank`` except ``axis``, in axis order."""
+        self.check_axis(axis)
+        c = self.coords(rank)
+        return [self.rank_of({**c, axis: i}) for i in range(self.axes[axis])]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """All groups along ``axis`` (each a list of ranks), in order of first rank."""
+        seen, out = set(), []
+        for r in range(self.size):
+            g = self.group(axis, r)
+            if g[0] not in seen:
+                seen.add(g[0])
+                out.append(g)
+        return out
+
+    def __eq__(self, other):
+        return isinstance(other, Mesh) and self.axes == other.axes
+
+    def __hash__(self):
+        return hash(tuple(self.axes.items()))
+
+    def __repr__(self):
+        return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self.axes.items()) + ")"

@@ -1,0 +1,119 @@
+"""Ownership of a value on one mesh axis: Shard(dim), Replicate or Partial.
+
+A value's *placement* is a tuple with one ownership per mesh axis (in mesh order).
+
+Example::
+
+    >>> place = (Shard(0), Replicate())          # batch split on dp, whole on tp
+    >>> describe(place, ("dp", "tp"))
+    'S(0)@dp'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self):
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self):
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A pending sum: the value is the sum of every rank's local tensor on the axis."""
+
+    def __str__(self):
+        return "P"
+
+
+R = Replicate()
+P = Partial()
+
+
+def describe(place, axes) -> str:
+    parts = [f"{o}@{a}" for o, a in zip(place, axes) if not isinstance(o, Replicate)]
+    return ", ".join(parts) if parts else "R"
+
+
+def shard_axes(place, axes, dim: int) -> list[str]:
+    """Mesh axes (in mesh order) that shard ``dim``."""
+    return [a for o, a in zip(place, axes) if isinstance(o, Shard) and o.dim == dim]
+
+
+def local_shape(shape, place, mesh) -> tuple:
+    out = list(shape)
+    for o, a in zip(place, mesh.names):
+        if isinstance(o, Shard):
+            out[o.dim] //= mesh.axes[a]
+    return tuple(out)
+
+
+def block_index(place, mesh, coords: dict, dim: int) -> tuple[int, int]:
+    """(block index, number of blocks) of a rank's chunk along ``dim``: axes sharding one dim
+    nest in mesh order (the first is the major split)."""
+    idx, n = 0, 1
+    for o, a in zip(place, mesh.names):
+        if isinstance(o, Shard) and o.dim == dim:
+            idx = idx * mesh.axes[a] + coords[a]
+            n *= mesh.axes[a]
+    return idx, n
+
+
+def local_piece(full: torch.Tensor, place, mesh, rank: int) -> torch.Tensor:
+    """The block of a global tensor that ``rank`` holds under ``place`` (Partial is not an
+    input ownership: a global value has no pending sum)."""
+    coords = mesh.coords(rank)
+    out = full
+    for d in range(full.dim()):
+        i, n = block_index(place, mesh, coords, d)
+        if n > 1:
+            out = out.chunk(n, dim=d)[i] if out.shape[d] % n == 0 else _bad_split(full, d, n)
+    return out
+
+
+def _bad_split(full, d, n):
+    raise ValueError(f"dim {d} of size {full.shape[d]} is not divisible into {n} shards")
+
+
+def assemble(pieces: list, place, mesh, shape=None) -> torch.Tensor:
+    """Inverse of :func:`local_piece` with Partial summed: the global value from every rank's
+    local tensor."""
+    first = pieces[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if shape is None:
+        shape = list(first.shape)
+        for o, a in zip(place, mesh.names):
+            if isinstance(o, Shard):
+                shape[o.dim] *= mesh.axes[a]
+    has_partial = any(isinstance(o, Partial) for o in place)
+    out = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    if first.dtype == torch.bool and has_partial:
+        raise ValueError("a boolean value cannot be a pending sum")
+    for rank, piece in enumerate(pieces):
+        coords = mesh.coords(rank)
+        if any(isinstance(o, Replicate) and coords[a] != 0 for o, a in zip(place, mesh.names)):
+            continue
+        if not has_partial and any(isinstance(o, Partial) for o in place):
+            continue
+        index = []
+        for d in range(len(shape)):
+            i, n = block_index(place, mesh, coords, d)
+            size = shape[d] // n
+            index.append(slice(i * size, (i + 1) * size))
+        if has_partial:
+            out[tuple(index)] += piece
+        else:
+            out[tuple(index)] = piece
+    return out

@@ -1,0 +1,57 @@
+"""The interface every communication backend implements.
+
+A backend moves plain tensors (no autograd) between the ranks of one mesh axis group, as the
+rank of the current :func:`~autoshard.runtime.context.current` context. Reduction is always a
+sum; averaging is an explicit scale in the graph (see DESIGN.md, "ownership algebra").
+
+Semantics, for a group of ``n`` ranks in axis-coordinate order and this rank at index ``i``:
+
+- ``all_reduce(x, axis)``: ``x_0 + x_1 + ... + x_{n-1}`` on every rank.
+- ``all_gather(x, axis, dim)``: ``cat([x_0, ..., x_{n-1}], dim)``.
+- ``reduce_scatter(x, axis, dim)``: chunk ``i`` (of ``n`` equal chunks along ``dim``) of the sum.
+- ``all_to_all(x, axis, scatter_dim, gather_dim)``: ``cat([chunk_i(x_j, scatter_dim) for j], gather_dim)``.
+
+Results are always fresh tensors, never views of ``x``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .context import current
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete: mismatch between ranks, deadlock or timeout."""
+
+
+def check_divisible(x: torch.Tensor, axis: str, dim: int, n: int, what: str) -> int:
+    """Chunk size of ``x`` along ``dim`` split ``n`` ways; a clear ValueError if uneven."""
+    size = x.shape[dim]
+    if size % n:
+        raise ValueError(
+            f"{what} over mesh axis {axis!r} (size {n}) splits dim {dim} of a tensor of shape "
+            f"{tuple(x.shape)}, but its size {size} is not divisible by {n}")
+    return size // n
+
+
+class Backend:
+    """Communication for the current rank. Subclasses implement the four collectives."""
+
+    def check(self, mesh, rank: int) -> None:
+        """Called when a rank context is entered; raise if this backend cannot serve it."""
+
+    def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reduce_scatter(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_to_all(self, x: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _ctx():
+        return current("a collective")

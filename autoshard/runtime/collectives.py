@@ -1,0 +1,246 @@
+"""Collectives as autograd functions, each forward paired with its adjoint in one table.
+
+Every function changes the ownership of a value on one mesh axis (DESIGN.md, "The ownership
+algebra") and is exact for gradients under these conventions:
+
+- the grad of a ``Replicate`` value is the full gradient, on every rank;
+- the grad of a ``Shard(d)`` value is this rank's chunk of the full gradient;
+- the grad of a ``Partial`` value is the full gradient (replicated).
+
+They are plain module-level functions with simple positional arguments (tensor, axis name,
+ints) and an optional ``tag``, so rewritten FX graphs can call them as ``call_function``
+targets and exported code can print them. They run as the rank of the current
+:func:`~autoshard.runtime.context.rank_context`.
+
+Example (Megatron's f and g around a tensor-parallel MLP)::
+
+    h = mark_varying(x, "tp")          # f: identity forward, all-reduce of dx backward
+    y = relu(h @ w1_shard.T) @ w2_shard.T
+    y = all_reduce(y, "tp")            # g: all-reduce forward, identity backward
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .backend import check_divisible
+from .context import CollectiveRecord, RankContext, activate, current, current_or_none
+
+
+class Adjoint(NamedTuple):
+    forward: str    # primitive run in the forward pass
+    backward: str   # primitive run on the gradient in the backward pass
+
+
+# Primitives that communicate (and are recorded in the trace) ...
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# ... and the local ones: "slice" takes this rank's chunk, "keep_first" keeps x on axis index 0
+# and zeros elsewhere (a replicated value read as a pending sum).
+LOCAL_KINDS = ("identity", "slice", "keep_first")
+
+# The one table pairing each collective with its adjoint. The backward primitive receives the
+# forward's dim arguments in reverse order: a no-op for one dim, the transpose for all_to_all.
+ADJOINTS: dict[str, Adjoint] = {
+    # op                    forward           backward            ownership change on the axis
+    "all_reduce":         Adjoint("all_reduce",     "identity"),        # Partial -> Replicate (Megatron g, psum)
+    "mark_varying":       Adjoint("identity",       "all_reduce"),      # Replicate used by varying work (f, pbroadcast)
+    "reduce_scatter":     Adjoint("reduce_scatter", "all_gather"),      # Partial -> Shard(d)
+    "all_gather":         Adjoint("all_gather",     "slice"),           # Shard(d) -> Replicate, replicated use
+    "all_gather_varying": Adjoint("all_gather",     "reduce_scatter"),  # Shard(d) -> Replicate, varying use (FSDP)
+    "shard_slice":        Adjoint("slice",          "all_gather"),      # Replicate -> Shard(d)
+    "all_to_all":         Adjoint("all_to_all",     "all_to_all"),      # Shard(g) -> Shard(s), reversed backward
+    "to_partial":         Adjoint("keep_first",     "identity"),        # Replicate -> Partial
+}
+
+
+def comm_kind(primitive: str) -> str | None:
+    """The trace ``kind`` a primitive records, or None for local ones (``"slice"`` ...)."""
+    return primitive if primitive in COMM_KINDS else None
+
+
+def backward_collective(op: str) -> str | None:
+    """Communication that ``op``'s backward performs, e.g. ``"reduce_scatter"``; None if local."""
+    return comm_kind(ADJOINTS[op].backward)
+
+
+def forward_collective(op: str) -> str | None:
+    """Communication that ``op``'s forward performs; None if it is local (no bytes move)."""
+    return comm_kind(ADJOINTS[op].forward)
+
+
+# ---- executing one primitive ----------------------------------------------------------------
+
+def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tuple[int, ...],
+         op: str, tag: int | None, phase: str) -> torch.Tensor:
+    n = ctx.mesh.axis_size(axis)
+    # Local primitives clone: an output aliasing the input of a custom Function is a view, and
+    # autograd forbids in-place ops on it, which captured graphs may contain.
+    if primitive == "identity":
+        return x.clone()
+    if primitive == "slice":
+        (dim,) = dims
+        s = check_divisible(x, axis, dim, n, f"{op} (local slice)" if op != "shard_slice" else op)
+        return x.narrow(dim, ctx.coord(axis) * s, s).clone(memory_format=torch.contiguous_format)
+    if primitive == "keep_first":
+        return x.clone() if ctx.coord(axis) == 0 else torch.zeros_like(x)
+    if primitive == "reduce_scatter" or primitive == "all_to_all":
+        check_divisible(x, axis, dims[0], n, op if op == primitive else f"{op} ({primitive})")
+    backend_fn = getattr(ctx.backend, primitive)
+    # The context captured at forward time is made current for the backend: on GPU, autograd
+    # runs backward on its own device threads, where the thread-local context is absent.
+    saved_call = ctx.call
+    ctx.call = (op, tag, phase)
+    try:
+        if current_or_none() is ctx:
+            out = backend_fn(x, axis, *dims)
+        else:
+            with activate(ctx):
+                out = backend_fn(x, axis, *dims)
+    finally:
+        ctx.call = saved_call
+    ctx.trace.append(CollectiveRecord(
+        kind=primitive, axis=axis, bytes=x.numel() * x.element_size(), phase=phase, tag=tag,
+        op=op, shape=tuple(x.shape), dtype=x.dtype))
+    return out
+
+
+def _phase(rctx: RankContext) -> str:
+    # A forward run inside a backward (activation-checkpoint recompute) communicates during the
+    # backward pass, so it is labelled as such.
+    in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+    return "backward" if in_backward else rctx.phase
+
+
+class _Collective(torch.autograd.Function):
+    """One autograd Function for every row of ADJOINTS: forward and backward read the table."""
+
+    @staticmethod
+    def forward(fctx, x, op, axis, dims, tag):
+        rctx = current(f"autoshard collective {op}")
+        fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
+        return _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, _phase(rctx))
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx, grad):
+        g = _run(fctx.rctx, ADJOINTS[fctx.op].backward, grad.detach(), fctx.axis,
+                 fctx.dims[::-1], fctx.op, fctx.tag, "backward")
+        return g, None, None, None, None
+
+
+def _dim(x: torch.Tensor, dim: int, op: str, name: str = "dim") -> int:
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{op}: {name}={dim!r} is not a dim of a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
+    current(f"autoshard collective {op}").mesh.check_axis(axis)
+    return _Collective.apply(x, op, axis, dims, tag)
+
+
+# ---- the public functions, one per row of ADJOINTS -------------------------------------------
+
+def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+    """Partial -> Replicate: sum over ``axis``; backward is the identity (Megatron's g).
+
+    Example::
+
+        y = all_reduce(x_partial, "tp")     # every tp rank now holds the sum
+    """
+    return _apply("all_reduce", x, axis, (), tag)
+
+
+def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+    """Replicate consumed by varying work: identity forward; backward sums grads over ``axis``.
+
+    Megatron's f / JAX's pbroadcast; on a data axis, this backward all-reduce is the DDP sync.
+
+    Example::
+
+        h = mark_varying(x, "tp") @ w_col_shard.T
+    """
+    return _apply("mark_varying", x, axis, (), tag)
+
+
+def reduce_scatter(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
+    """Partial -> Shard(dim): this rank's chunk of the sum; backward all-gathers the grad.
+
+    Example::
+
+        y_shard = reduce_scatter(y_partial, "tp", 1)   # (b, s, h) -> (b, s/tp, h)
+    """
+    return _apply("reduce_scatter", x, axis, (_dim(x, dim, "reduce_scatter"),), tag)
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
+    """Shard(dim) -> Replicate for replicated use; backward keeps this rank's chunk of the grad.
+
+    Example::
+
+        full = all_gather(logits_shard, "tp", -1)
+    """
+    return _apply("all_gather", x, axis, (_dim(x, dim, "all_gather"),), tag)
+
+
+def all_gather_varying(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
+    """Shard(dim) -> Replicate used by varying work: all-gather; backward reduce-scatters.
+
+    This is ``mark_varying(all_gather(x))`` fused; on a data axis it is FSDP's parameter gather.
+
+    Example::
+
+        w = all_gather_varying(w_shard, "dp", 0)     # grads come back reduce-scattered
+    """
+    return _apply("all_gather_varying", x, axis, (_dim(x, dim, "all_gather_varying"),), tag)
+
+
+def shard_slice(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
+    """Replicate -> Shard(dim): keep this rank's chunk (no communication); backward all-gathers.
+
+    Example::
+
+        x_local = shard_slice(x, "dp", 0)           # this rank's part of the batch
+    """
+    return _apply("shard_slice", x, axis, (_dim(x, dim, "shard_slice"),), tag)
+
+
+def all_to_all(x: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int,
+               tag: int | None = None) -> torch.Tensor:
+    """Shard(gather_dim) -> Shard(scatter_dim); backward is all_to_all with the dims swapped.
+
+    Example::
+
+        # sharded on heads (dim 1) -> sharded on sequence (dim 2), as in Ulysses attention
+        y = all_to_all(x, "sp", 2, 1)
+    """
+    sd = _dim(x, scatter_dim, "all_to_all", "scatter_dim")
+    gd = _dim(x, gather_dim, "all_to_all", "gather_dim")
+    return _apply("all_to_all", x, axis, (sd, gd), tag)
+
+
+def to_partial(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+    """Replicate -> Partial: axis index 0 keeps ``x``, the others hold zeros; backward identity.
+
+    Example::
+
+        bias_p = to_partial(bias, "tp")    # added to a partial sum, counted once after all_reduce
+    """
+    return _apply("to_partial", x, axis, (), tag)
+
+
+COLLECTIVES = {
+    "all_reduce": all_reduce,
+    "mark_varying": mark_varying,
+    "reduce_scatter": reduce_scatter,
+    "all_gather": all_gather,
+    "all_gather_varying": all_gather_varying,
+    "shard_slice": shard_slice,
+    "all_to_all": all_to_all,
+    "to_partial": to_partial,
+}
+assert COLLECTIVES.keys() == ADJOINTS.keys()

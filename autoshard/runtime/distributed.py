@@ -1,0 +1,95 @@
+"""torch.distributed backend: one process group per mesh axis, from a DeviceMesh.
+
+Works with gloo on CPU and nccl on GPU. torch 2.13's gloo implements every primitive used
+here natively (all_reduce, all_gather_single / all_gather_into_tensor,
+reduce_scatter_single / reduce_scatter_tensor, all_to_all_single), so no emulation is needed.
+Those primitives work on dim 0 of contiguous tensors, so gathers and scatters along another
+dim move it to the front, run, and move it back.
+
+Values equal the simulated backend's except for the order of floating-point summation, which
+gloo/nccl choose (ring, halving-doubling, ...): expect relative differences around
+``n * eps`` (fp32: ~1e-6 with 4 ranks); gathers and all-to-all are bit-exact.
+
+Example (inside a process started by torchrun or :func:`autoshard.runtime.launch.spawn`)::
+
+    mesh = Mesh({"dp": 2, "tp": 2})
+    backend = DistributedBackend(mesh)                 # builds init_device_mesh("cpu", ...)
+    with rank_context(mesh, dist.get_rank(), backend):
+        y = all_reduce(x, "tp")
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .backend import Backend, check_divisible
+
+# torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
+_all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class DistributedBackend(Backend):
+    """Collectives over the process groups of ``device_mesh`` (built if not given).
+
+    ``mesh`` may itself wrap a DeviceMesh (``Mesh(device_mesh)``); then that one is used.
+    """
+
+    def __init__(self, mesh, device_type: str = "cpu", device_mesh=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedBackend needs torch.distributed.init_process_group() first")
+        if dist.get_world_size() != mesh.size:
+            raise ValueError(f"{mesh} has {mesh.size} ranks but the process group has "
+                             f"{dist.get_world_size()}")
+        if device_mesh is None:
+            device_mesh = getattr(mesh, "device_mesh", None)
+        if device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
+        self.mesh = mesh
+        self.device_mesh = device_mesh
+        self.groups = {axis: device_mesh.get_group(axis) for axis in mesh.names}
+        # Both layouts are row-major over the axes; check rather than assume.
+        rank = dist.get_rank()
+        for axis in mesh.names:
+            got = dist.get_process_group_ranks(self.groups[axis])
+            if got != mesh.group(axis, rank):
+                raise ValueError(f"DeviceMesh group for axis {axis!r} on rank {rank} is {got}, "
+                                 f"but {mesh} expects {mesh.group(axis, rank)}")
+
+    def check(self, mesh, rank):
+        if mesh != self.mesh:
+            raise ValueError(f"DistributedBackend built for {self.mesh} cannot serve {mesh}")
+        if rank != dist.get_rank():
+            raise ValueError(f"rank context says rank {rank} but this process is rank {dist.get_rank()}")
+
+    def all_reduce(self, x, axis):
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis])
+        return out
+
+    def all_gather(self, x, axis, dim):
+        n = self.mesh.axis_size(axis)
+        front = x.detach().movedim(dim, 0).contiguous()
+        out = front.new_empty((n * front.shape[0],) + front.shape[1:])
+        _all_gather_1(out, front, group=self.groups[axis])
+        return out.movedim(0, dim).contiguous()
+
+    def reduce_scatter(self, x, axis, dim):
+        n = self.mesh.axis_size(axis)
+        s = check_divisible(x, axis, dim, n, "reduce_scatter")
+        front = x.detach().movedim(dim, 0).contiguous()
+        out = front.new_empty((s,) + front.shape[1:])
+        _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=self.groups[axis])
+        return out.movedim(0, dim).contiguous()
+
+    def all_to_all(self, x, axis, scatter_dim, gather_dim):
+        n = self.mesh.axis_size(axis)
+        check_divisible(x, axis, scatter_dim, n, "all_to_all")
+        front = x.detach().movedim(scatter_dim, 0).contiguous()
+        out = torch.empty_like(front)
+        # all_to_all_single sends chunk j of dim 0 to rank j and stacks what it receives along
+        # dim 0 in rank order: out[j] is our chunk from rank j, still with scatter_dim in front.
+        dist.all_to_all_single(out, front, group=self.groups[axis])
+        pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
+        return torch.cat(pieces, gather_dim)

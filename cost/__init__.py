@@ -1,0 +1,35 @@
+"""Cost model: hardware, communication, compute and memory (imported as ``autoshard.cost``)."""
+from .comm import (
+    COLLECTIVE_KINDS,
+    collective_bytes,
+    collective_formula,
+    collective_steps_formula,
+    collective_time,
+    collective_time_formula,
+)
+from .compute import (
+    attention_flops,
+    elementwise_bytes,
+    elementwise_flops,
+    matmul_bytes,
+    matmul_flops,
+    roofline_time,
+)
+from .hardware import PRESETS, DeviceSpec, Hardware, LinkSpec, load_hardware, normalize_dtype, save_hardware
+from .memory import ModelState, activation_bytes, kv_cache_bytes, model_state_bytes
+from .pipeline import bubble_fraction, bubble_overhead
+
+__all__ = [
+    # hardware
+    "LinkSpec", "DeviceSpec", "Hardware", "PRESETS", "load_hardware", "save_hardware", "normalize_dtype",
+    # communication
+    "COLLECTIVE_KINDS", "collective_bytes", "collective_time", "collective_formula",
+    "collective_steps_formula", "collective_time_formula",
+    # compute
+    "matmul_flops", "matmul_bytes", "attention_flops", "elementwise_flops", "elementwise_bytes",
+    "roofline_time",
+    # memory
+    "ModelState", "model_state_bytes", "kv_cache_bytes", "activation_bytes",
+    # pipeline
+    "bubble_fraction", "bubble_overhead",
+]

@@ -1,0 +1,1 @@
+"""Example models and scripts for autoshard (``from examples.models import llama_tiny``)."""

@@ -1,0 +1,181 @@
+"""Capture: torch.export (non-strict) to an FX graph with named inputs and clean ops.
+
+Keeps parameter/buffer FQNs, ``nn_module_stack`` and ``stack_trace``; drops export-only nodes
+(``_assert_tensor_metadata`` and friends); rewrites mean-reduced cross-entropy into a sum over
+tokens divided by a count of valid tokens, so that a loss over a split batch is reduced globally
+(no hidden averaging). The user's module is never modified.
+
+Example::
+
+    >>> import torch
+    >>> cap = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+    >>> [i.kind for i in cap.inputs]
+    ['parameter', 'parameter', 'user']
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+
+EXPORT_ONLY = {
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+    aten.sym_constrain_range.default,
+    aten._assert_async.msg,
+}
+
+
+@dataclass
+class Input:
+    """One placeholder of the captured graph."""
+
+    name: str  # placeholder name
+    kind: str  # parameter | buffer | constant | user
+    target: str  # parameter/buffer FQN, constant name, or user argument path ("input_ids", "args[1]")
+    trainable: bool = False
+
+
+@dataclass
+class Captured:
+    graph: fx.Graph
+    inputs: list  # Input, in placeholder order
+    state: dict  # target -> tensor (parameters, buffers, constants), shared with the model
+    in_spec: object  # pytree spec of (args, kwargs)
+    out_spec: object
+    seconds: float
+    arg_names: list  # positional parameter names of forward, for dims given as a list
+    aliases: dict  # tied parameter FQN -> the FQN kept in the graph
+
+    @property
+    def user_inputs(self):
+        return [i for i in self.inputs if i.kind == "user"]
+
+    def flatten_args(self, args, kwargs) -> list:
+        """Leaves of (args, kwargs) in the order of the user placeholders."""
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        if spec != self.in_spec:
+            raise ValueError(f"arguments do not match the captured call: expected {self.in_spec}, got {spec}")
+        return flat
+
+
+def _user_input_paths(args, kwargs, arg_names) -> list[str]:
+    paths, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+    out = []
+    for path, _leaf in paths:
+        top, rest = path[0].idx, path[1:]
+        if top == 0:
+            i = rest[0].idx
+            name = arg_names[i] if i < len(arg_names) else f"args[{i}]"
+            rest = rest[1:]
+        else:
+            name = rest[0].key
+            rest = rest[1:]
+        out.append(name + "".join(str(k) for k in rest))
+    return out
+
+
+def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
+    """Export ``model(*args, **kwargs)`` and return a cleaned graph plus input metadata."""
+    import inspect
+
+    kwargs = dict(kwargs or {})
+    t0 = time.perf_counter()
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:  # export errors are long; keep the cause and say what failed
+        raise RuntimeError(f"autoshard: torch.export could not capture {type(model).__name__}: {e}") from e
+    seconds = time.perf_counter() - t0
+    graph = ep.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in EXPORT_ONLY and not node.users:
+            graph.erase_node(node)
+    try:
+        sig = inspect.signature(model.forward)
+        arg_names = [p.name for p in sig.parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        arg_names = []
+    user_paths = iter(_user_input_paths(args, kwargs, arg_names))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    inputs, state = [], {}
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            inputs.append(Input(name, "parameter", spec.target, params[spec.target].requires_grad))
+            state[spec.target] = params[spec.target]
+        elif spec.kind == InputKind.BUFFER:
+            inputs.append(Input(name, "buffer", spec.target))
+            state[spec.target] = buffers[spec.target] if spec.target in buffers else ep.constants[spec.target]
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            inputs.append(Input(name, "constant", spec.target))
+            state[spec.target] = ep.constants[spec.target]
+        else:
+            inputs.append(Input(name, "user", next(user_paths, name)))
+    aliases = _merge_tied(graph, inputs, state)
+    _rewrite_mean_cross_entropy(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    return Captured(graph, inputs, state, ep.call_spec.in_spec, ep.call_spec.out_spec, seconds, arg_names, aliases)
+
+
+def _merge_tied(graph: fx.Graph, inputs: list, state: dict) -> dict:
+    """Tied parameters (one tensor under two FQNs) become one placeholder, so their gradient
+    is one sum and their owner one decision. Returns {alias FQN: kept FQN}."""
+    first: dict = {}
+    aliases = {}
+    nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    keep = []
+    for inp in inputs:
+        if inp.kind in ("parameter", "buffer"):
+            key = id(state[inp.target])
+            if key in first:
+                kept = first[key]
+                nodes[inp.name].replace_all_uses_with(nodes[kept.name])
+                graph.erase_node(nodes[inp.name])
+                aliases[inp.target] = kept.target
+                continue
+            first[key] = inp
+        keep.append(inp)
+    inputs[:] = keep
+    return aliases
+
+
+def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
+    """cross_entropy(mean) -> sum(cross_entropy(none)) / count(target != ignore_index).
+
+    Equal to torch's mean for unweighted losses; written out so a batch split across ranks sums
+    numerator and count globally instead of averaging per-rank means."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.cross_entropy_loss.default:
+            continue
+        a = list(node.args) + [None] * (6 - len(node.args))
+        x, target, weight = a[0], a[1], node.kwargs.get("weight", a[2])
+        reduction = node.kwargs.get("reduction", a[3] if a[3] is not None else 1)
+        ignore = node.kwargs.get("ignore_index", a[4] if a[4] is not None else -100)
+        smoothing = node.kwargs.get("label_smoothing", a[5] if a[5] is not None else 0.0)
+        if reduction != 1 or weight is not None:
+            continue  # sum/none reductions are already global-safe; weighted means fall back
+        val = node.meta["val"]
+        with graph.inserting_before(node):
+            per = graph.call_function(aten.cross_entropy_loss.default, (x, target, None, 0, ignore, smoothing))
+            tval = target.meta["val"]
+            per.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=val.dtype, device=val.device))
+            total = graph.call_function(aten.sum.default, (per,))
+            total.meta = dict(node.meta, val=torch.empty((), dtype=val.dtype, device=val.device))
+            valid = graph.call_function(aten.ne.Scalar, (target, ignore))
+            valid.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=torch.bool, device=val.device))
+            count = graph.call_function(aten.sum.default, (valid,))
+            count.meta = dict(node.meta, val=torch.empty((), dtype=torch.int64, device=val.device))
+            loss = graph.call_function(aten.div.Tensor, (total, count))
+            loss.meta = dict(node.meta, val=torch.empty((), dtype=val.dtype, device=val.device))
+        node.replace_all_uses_with(loss)
+        graph.erase_node(node)

@@ -1,0 +1,520 @@
+"""Op rules as data: how the dims of each aten op's operands relate.
+
+Every rule turns one FX node into an :class:`Indexing`: a letter for each dim of each tensor
+operand and result, like an einsum. The same letter on two dims means "the same logical dim";
+letters that appear only in inputs are contracted. The roles of letters then say what sharding
+is allowed, and one engine (``passes.dims`` for inference, ``passes.spmd`` for ownership and
+collectives) interprets them:
+
+- loop letters (present in a result) may be sharded: each rank computes its block;
+- ``summed`` letters are contracted by a sum: sharding them leaves a Partial result;
+- ``local`` letters must be whole on every rank (softmax/norm dims, gather targets, causal
+  positions): an operand sharded there is gathered first;
+- ``linear``: input positions in which the op is linear, so a Partial value may pass through
+  (``joint`` when all of them must be Partial together, as for ``add``);
+- ``additive``: inputs added to a contraction's sum (a bias): they become Partial when the
+  contraction is split, so they are added once.
+
+The table at the bottom is the whole registry: one line per op where the op fits a helper.
+Example::
+
+    >>> from torch.ops import aten
+    >>> RULES[aten.linear.default].__doc__.splitlines()[0]
+    'einsum rule: ... i, o i, o -> ... o'
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+Letter = Optional[str]  # None: a broadcast size-1 dim, never sharded
+
+
+@dataclass
+class Indexing:
+    """Letters for one node. ``inputs`` holds (path to the tensor in node.args, letters)."""
+
+    inputs: list[tuple[tuple, list[Letter]]]
+    outputs: list[list[Letter]]
+    summed: frozenset = frozenset()
+    local: frozenset = frozenset()
+    linear: tuple = ()
+    joint: bool = False
+    additive: frozenset = frozenset()
+    kind: str = "einsum"  # "einsum" | "view" | "creation"
+    mean_dims: tuple = ()  # letters averaged (not summed): a sharded one rescales the result
+
+    @property
+    def loop(self) -> set:
+        return {l for out in self.outputs for l in out if l is not None}
+
+
+def shape_of(x) -> tuple:
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def is_tensor_node(x) -> bool:
+    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _broadcast_letters(shapes: list[tuple], out_shape: tuple, prefix: str = "e") -> tuple[list, list]:
+    """Right-aligned broadcasting: equal-position dims share a letter; size-1 dims that
+    broadcast against a larger size get None."""
+    out = [f"{prefix}{len(out_shape) - k}" for k in range(len(out_shape))]
+    ins = []
+    for shp in shapes:
+        off = len(out_shape) - len(shp)
+        ins.append([None if (s == 1 and out_shape[off + k] != 1) else out[off + k] for k, s in enumerate(shp)])
+    return ins, [None if s == 1 else l for l, s in zip(out, out_shape)]
+
+
+def tensor_args(node: fx.Node) -> list[tuple]:
+    """Paths of the tensor operands of a node: (i,) for args[i], (i, j) for args[i][j],
+    ("kw", name) for kwargs."""
+    paths = []
+    for i, a in enumerate(node.args):
+        if is_tensor_node(a):
+            paths.append((i,))
+        elif isinstance(a, (list, tuple)):
+            paths += [(i, j) for j, b in enumerate(a) if is_tensor_node(b)]
+    for k, a in node.kwargs.items():
+        if is_tensor_node(a):
+            paths.append(("kw", k))
+    return paths
+
+
+def get_path(node: fx.Node, path: tuple):
+    if path[0] == "kw":
+        return node.kwargs[path[1]]
+    a = node.args[path[0]]
+    return a if len(path) == 1 else a[path[1]]
+
+
+def elementwise(linear: tuple = (), joint: bool = False, local_dim_arg: Optional[tuple] = None):
+    """All tensor operands broadcast against the result. ``local_dim_arg`` = (arg index,
+    kwarg name) of a dim that must stay whole (softmax, cumsum)."""
+
+    def rule(node: fx.Node) -> Indexing:
+        paths = tensor_args(node)
+        out_shape = shape_of(node)
+        ins, out = _broadcast_letters([shape_of(get_path(node, p)) for p in paths], out_shape)
+        local = frozenset()
+        if local_dim_arg is not None:
+            d = arg(node, *local_dim_arg)
+            if out_shape:
+                local = frozenset({f"e{len(out_shape) - norm_dim(d, len(out_shape))}"})
+        lin = tuple(k for k, p in enumerate(paths) if p[0] in linear) if linear != "all" else tuple(range(len(paths)))
+        return Indexing(list(zip(paths, ins)), [out], local=local, linear=lin, joint=joint)
+
+    rule.__doc__ = "elementwise rule (broadcasting)"
+    return rule
+
+
+def einsum(spec: str, summed: str = "", local: str = "", linear: tuple = (), additive: tuple = ()):
+    """Rule from an einsum-like signature over the tensor args in order, e.g. linear is
+    ``"... i, o i, o -> ... o"``. ``...`` covers leading dims (broadcast right-aligned)."""
+    lhs, rhs = spec.split("->")
+    in_specs = [s.split() for s in lhs.split(",")]
+    out_spec = rhs.split()
+
+    def rule(node: fx.Node) -> Indexing:
+        paths = tensor_args(node)
+        shapes = [shape_of(get_path(node, p)) for p in paths]
+        specs = in_specs[: len(paths)]
+        # Optional operands (a missing bias) are skipped: match specs by position in args.
+        if len(paths) < len(in_specs):
+            arg_pos = [p[0] for p in paths]
+            specs = [in_specs[i] for i in arg_pos]
+        ell_shapes = [shp[: len(shp) - (len(s) - ("..." in s))] if "..." in s else () for s, shp in zip(specs, shapes)]
+        out_shape = shape_of(node)
+        n_ell_out = len(out_shape) - (len(out_spec) - ("..." in out_spec))
+        ell_in, ell_out = _broadcast_letters(ell_shapes, out_shape[:n_ell_out] if "..." in out_spec else ())
+        ins = []
+        for s, shp, ell in zip(specs, shapes, ell_in):
+            letters = []
+            for tok in s:
+                letters += ell if tok == "..." else [tok]
+            letters = letters[len(letters) - len(shp):] if len(shp) else []  # a 1-D bias aligns right
+            # A named dim of size 1 that broadcasts (e.g. a [1, n] bias) carries no letter.
+            ins.append([None if (n == 1 and l is not None and not l.startswith("e")) else l for l, n in zip(letters, shp)])
+        out = []
+        for tok in out_spec:
+            out += ell_out if tok == "..." else [tok]
+        out = [None if n == 1 else l for l, n in zip(out, out_shape)]
+        lin = tuple(k for k, p in enumerate(paths) if p[0] in linear)
+        add = frozenset(k for k, p in enumerate(paths) if p[0] in additive)
+        return Indexing(list(zip(paths, ins)), [out], summed=frozenset(summed.split()),
+                        local=frozenset(local.split()), linear=lin, additive=add)
+
+    rule.__doc__ = f"einsum rule: {spec}"
+    return rule
+
+
+def matmul_rule(node: fx.Node) -> Indexing:
+    """torch.matmul: 1-D operands are vectors; leading dims broadcast."""
+    a, b = node.args[:2]
+    sa, sb = shape_of(a), shape_of(b)
+    if len(sa) == 1 and len(sb) == 1:
+        return einsum("i, i -> ", summed="i", linear=(0, 1))(node)
+    if len(sb) == 1:
+        return einsum("... n i, i -> ... n", summed="i", linear=(0, 1))(node)
+    if len(sa) == 1:
+        return einsum("i, ... i o -> ... o", summed="i", linear=(0, 1))(node)
+    out_shape = shape_of(node)
+    batch_out = out_shape[:-2]
+    ins, bl = _broadcast_letters([sa[:-2], sb[:-2]], batch_out)
+    la = ins[0] + ["n", "i"]
+    lb = ins[1] + ["i", "o"]
+    fix = lambda ls, shp: [None if n == 1 else l for l, n in zip(ls, shp)]
+    return Indexing([((0,), fix(la, sa)), ((1,), fix(lb, sb))], [fix(bl + ["n", "o"], out_shape)],
+                    summed=frozenset({"i"}), linear=(0, 1))
+
+
+def reduction(summed: bool, mean: bool = False, dim_arg: tuple = (1, "dim"), keepdim_arg: tuple = (2, "keepdim")):
+    """Reduce over ``dim`` (all dims when absent). Summed reductions leave Partial results."""
+
+    def rule(node: fx.Node) -> Indexing:
+        x = node.args[0]
+        shp = shape_of(x)
+        dims = arg(node, *dim_arg) if dim_arg else None
+        if dims is None or dims == []:
+            dims = list(range(len(shp)))
+        dims = {norm_dim(d, len(shp)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+        keep = bool(arg(node, *keepdim_arg, default=False)) if keepdim_arg else False
+        letters = [f"d{k}" for k in range(len(shp))]
+        ins = [None if n == 1 else l for l, n in zip(letters, shp)]
+        out = [None if k in dims else l for k, l in enumerate(ins)] if keep else [l for k, l in enumerate(ins) if k not in dims]
+        red = frozenset(letters[k] for k in dims)
+        outs = [out] * (2 if isinstance(node.meta.get("val"), (tuple, list)) else 1)
+        return Indexing([((0,), ins)], outs, summed=red if summed else frozenset(),
+                        local=frozenset() if summed else red, linear=(0,) if summed else (),
+                        mean_dims=tuple(sorted(red)) if mean else ())
+
+    rule.__doc__ = f"reduction rule ({'sum' if summed else 'local'})"
+    return rule
+
+
+def view_rule(node: fx.Node) -> Indexing:
+    """Reshape: dims regroup; the dims engine aligns their atoms."""
+    return Indexing([((0,), [f"i{k}" for k in range(len(shape_of(node.args[0])))])],
+                    [[f"o{k}" for k in range(len(shape_of(node)))]], linear=(0,), kind="view")
+
+
+view_rule.__doc__ = "view rule: dims split and merge"
+
+
+def permute_rule(node: fx.Node) -> Indexing:
+    """transpose / permute / t: letters move with their dims."""
+    shp = shape_of(node.args[0])
+    n = len(shp)
+    letters = [f"d{k}" for k in range(n)]
+    if node.target in (aten.transpose.int,):
+        a, b = norm_dim(node.args[1], n), norm_dim(node.args[2], n)
+        order = list(range(n))
+        order[a], order[b] = order[b], order[a]
+    elif node.target == aten.t.default:
+        order = list(reversed(range(n)))
+    else:
+        order = [norm_dim(d, n) for d in node.args[1]]
+    ins = [None if s == 1 else l for l, s in zip(letters, shp)]
+    return Indexing([((0,), ins)], [[ins[k] for k in order]], linear=(0,))
+
+
+def unsqueeze_rule(node: fx.Node) -> Indexing:
+    shp = shape_of(node.args[0])
+    ins = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    out_shape = shape_of(node)
+    if node.target == aten.unsqueeze.default:
+        d = norm_dim(node.args[1], len(out_shape))
+        out = ins[:d] + [None] + ins[d:]
+    else:  # squeeze: drop size-1 dims, which carry no letter anyway
+        out = [l for l, s in zip(ins, shp) if s != 1] if len(out_shape) < len(shp) else ins
+        if len(out) != len(out_shape):
+            out = [l for l in ins if l is not None]
+    return Indexing([((0,), ins)], [out], linear=(0,))
+
+
+def expand_rule(node: fx.Node) -> Indexing:
+    """expand: size-1 dims grow into new letters (each rank may hold a block of them)."""
+    shp, out_shape = shape_of(node.args[0]), shape_of(node)
+    off = len(out_shape) - len(shp)
+    out = []
+    for k, n in enumerate(out_shape):
+        src = k - off
+        if src >= 0 and shp[src] == n:
+            out.append(None if n == 1 else f"d{src}")
+        else:
+            out.append(None if n == 1 else f"new{k}")
+    ins = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    return Indexing([((0,), ins)], [out], linear=(0,))
+
+
+def slice_rule(node: fx.Node) -> Indexing:
+    """slice: a full-range slice is the identity; otherwise the sliced dim stays whole."""
+    shp = shape_of(node.args[0])
+    d = norm_dim(arg(node, 1, "dim", 0), len(shp))
+    start, end, step = arg(node, 2, "start"), arg(node, 3, "end"), arg(node, 4, "step", 1)
+    full = (start in (None, 0)) and (end is None or end >= shp[d]) and step in (None, 1)
+    ins = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    out = list(ins)
+    local = frozenset()
+    if not full:
+        out[d] = None if shape_of(node)[d] == 1 else "sliced"
+        local = frozenset({l for l in (ins[d], out[d]) if l})
+    return Indexing([((0,), ins)], [out], local=local, linear=(0,))
+
+
+def select_rule(node: fx.Node) -> Indexing:
+    shp = shape_of(node.args[0])
+    d = norm_dim(node.args[1], len(shp))
+    ins = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    return Indexing([((0,), ins)], [ins[:d] + ins[d + 1:]], local=frozenset({ins[d]} - {None}), linear=(0,))
+
+
+def cat_rule(node: fx.Node) -> Indexing:
+    """cat: the concatenated dim stays whole; the others are shared."""
+    out_shape = shape_of(node)
+    d = norm_dim(arg(node, 1, "dim", 0), len(out_shape))
+    ins, local = [], set()
+    for j, t in enumerate(node.args[0]):
+        shp = shape_of(t)
+        if len(shp) != len(out_shape):  # legacy empty tensors
+            continue
+        letters = [None if s == 1 and out_shape[k] != 1 else f"d{k}" for k, s in enumerate(shp)]
+        letters[d] = f"cat{j}"
+        local.add(f"cat{j}")
+        ins.append(((0, j), letters))
+    out = [None if s == 1 else f"d{k}" for k, s in enumerate(out_shape)]
+    out[d] = "catout"
+    return Indexing(ins, [out], local=frozenset(local | {"catout"}), linear=tuple(range(len(ins))), joint=True)
+
+
+def split_rule(node: fx.Node) -> Indexing:
+    """split / split_with_sizes / chunk / unbind: the split dim stays whole."""
+    shp = shape_of(node.args[0])
+    d = norm_dim(arg(node, 2, "dim", 0) if node.target != aten.unbind.int else arg(node, 1, "dim", 0), len(shp))
+    ins = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    outs = []
+    for j, v in enumerate(node.meta["val"]):
+        o = list(ins)
+        if node.target == aten.unbind.int:
+            o = ins[:d] + ins[d + 1:]
+        else:
+            o[d] = None if v.shape[d] == 1 else f"part{j}"
+        outs.append(o)
+    local = {ins[d]} | {o[d] for o in outs if node.target != aten.unbind.int and len(o) > d}
+    return Indexing([((0,), ins)], outs, local=frozenset(local - {None}), linear=(0,))
+
+
+def embedding_rule(node: fx.Node) -> Indexing:
+    """embedding(weight [v, h], indices [...]) -> [..., h]: the vocab dim stays whole."""
+    idx_shape = shape_of(node.args[1])
+    ell = [None if s == 1 else f"e{k}" for k, s in enumerate(idx_shape)]
+    return Indexing([((0,), ["v", "h"]), ((1,), ell)], [ell + ["h"]], local=frozenset({"v"}), linear=(0,))
+
+
+def sdpa_rule(node: fx.Node) -> Indexing:
+    """scaled_dot_product_attention(q [.. h s d], k [.. g t d], v [.. g t e], mask) -> [.. h s e].
+    Key/value positions and the head dim are consumed inside a softmax: they stay whole. Query
+    positions stay whole under is_causal (the mask depends on absolute positions)."""
+    q, k, v = node.args[:3]
+    mask = arg(node, 3, "attn_mask")
+    causal = bool(arg(node, 5, "is_causal", False))
+    nb = len(shape_of(q)) - 3
+    batch = [f"b{i}" for i in range(nb)]
+    qs, ks = shape_of(q), shape_of(k)
+    gqa = qs[-3] != ks[-3]
+    kv_head = "kvh" if gqa else "h"
+    ins = [((0,), batch + ["h", "s", "d"]), ((1,), batch + [kv_head, "t", "d"]), ((2,), batch + [kv_head, "t", "e"])]
+    out = batch + ["h", "s", "e"]
+    if is_tensor_node(mask):
+        mshape = shape_of(mask)
+        full = batch + ["h", "s", "t"]
+        off = len(full) - len(mshape)
+        ins.append(((3,), [None if n == 1 else full[off + i] for i, n in enumerate(mshape)]))
+    ins = [(p, [None if n == 1 else l for l, n in zip(ls, shape_of(get_path(node, p)))]) for p, ls in ins]
+    local = {"t", "d"} | ({"s"} if causal else set()) | ({"h", "kvh"} if gqa else set())
+    return Indexing(ins, [[None if n == 1 else l for l, n in zip(out, shape_of(node))]],
+                    local=frozenset(local), linear=(2,))
+
+
+def norm_rule(node: fx.Node) -> Indexing:
+    """layer_norm / rms_norm(x, normalized_shape, weight, bias): normalized dims stay whole."""
+    shp = shape_of(node.args[0])
+    k = len(node.args[1])
+    letters = [None if s == 1 else f"d{i}" for i, s in enumerate(shp)]
+    ins = [((0,), letters)]
+    for p in tensor_args(node)[1:]:
+        ins.append((p, letters[len(shp) - k:]))
+    return Indexing(ins, [letters], local=frozenset(l for l in letters[len(shp) - k:] if l))
+
+
+def cross_entropy_rule(node: fx.Node) -> Indexing:
+    """cross_entropy_loss(input [N, C, ...], target [N, ...], reduction='none'): classes whole.
+    (Mean reductions are rewritten at capture into sums and a global count.)"""
+    shp = shape_of(node.args[0])
+    letters = [None if s == 1 else f"d{i}" for i, s in enumerate(shp)]
+    tgt = letters[:1] + letters[2:] if len(shp) > 1 else []
+    return Indexing([((0,), letters), ((1,), tgt)], [tgt], local=frozenset({letters[1]} - {None}) if len(shp) > 1 else frozenset())
+
+
+def creation_rule(node: fx.Node) -> Indexing:
+    """Tensors made from sizes (zeros, ones, full, arange, new_*): new letters."""
+    # A tensor argument (new_ones' self) only lends dtype and device: it is not an operand.
+    out = [None if s == 1 else f"c{k}" for k, s in enumerate(shape_of(node))]
+    local = frozenset(out) - {None} if node.target in POSITIONAL_CREATION else frozenset()
+    return Indexing([], [out], local=local, kind="creation")
+
+
+def triangle_rule(node: fx.Node) -> Indexing:
+    """triu / tril: the last two dims hold positions, so they stay whole."""
+    shp = shape_of(node.args[0])
+    letters = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    return Indexing([((0,), letters)], [letters], local=frozenset(l for l in letters[-2:] if l))
+
+
+def index_rule(node: fx.Node) -> Indexing:
+    """x[idx0, idx1, ...] with tensor indices: the indexed dims stay whole; index tensors
+    broadcast together into the result's leading (or in-place) block."""
+    x = node.args[0]
+    shp = shape_of(x)
+    idx = node.args[1]
+    letters = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    out_shape = shape_of(node)
+    tensor_pos = [k for k, t in enumerate(idx) if t is not None]
+    idx_shapes = [shape_of(idx[k]) for k in tensor_pos]
+    nb = max(len(s) for s in idx_shapes)
+    # Advanced indices that are adjacent land in place; otherwise at the front.
+    adjacent = tensor_pos == list(range(tensor_pos[0], tensor_pos[0] + len(tensor_pos)))
+    front = tensor_pos[0] if adjacent else 0
+    bshape = out_shape[front: front + nb]
+    idx_letters, _ = _broadcast_letters(idx_shapes, bshape, prefix="ix")
+    bl = [None if n == 1 else f"ix{nb - k}" for k, n in enumerate(bshape)]
+    rest = [letters[k] for k in range(len(shp)) if k not in tensor_pos]
+    out = (rest[:front] + bl + rest[front:]) if adjacent else (bl + rest)
+    ins = [((0,), letters)] + [((1, k), ls) for k, ls in zip(tensor_pos, idx_letters)]
+    return Indexing(ins, [out], local=frozenset(letters[k] for k in tensor_pos if letters[k]), linear=(0,))
+
+
+POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+
+UNARY = [
+    aten.neg.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,
+    aten.tanh.default, aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.relu.default,
+    aten.sin.default, aten.cos.default, aten.abs.default, aten.reciprocal.default, aten.erf.default,
+    aten.pow.Tensor_Scalar, aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default,
+    aten.clamp_min.default, aten.clamp_max.default, aten.dropout.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.isnan.default,
+    aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
+    aten.ceil.default, aten.round.default, aten.exp2.default,
+]
+LINEAR_UNARY = [
+    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
+    aten.lift_fresh_copy.default, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
+]
+BINARY = [
+    aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor, aten.ne.Tensor,
+    aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.eq.Scalar, aten.ne.Scalar,
+    aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.logical_and.default,
+    aten.logical_or.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.add.Scalar, aten.sub.Scalar,
+    aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
+    aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
+    aten.logical_xor.default,
+]
+CREATION = [
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
+    aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+    aten.tensor.default if hasattr(aten, "tensor") else aten.zeros.default,
+]
+
+RULES: dict[object, Callable[[fx.Node], Indexing]] = {
+    # contractions: the algebra of C = A B with the contracted letter summed
+    aten.linear.default: einsum("... i, o i, o -> ... o", summed="i", linear=(0, 1), additive=(2,)),
+    aten.addmm.default: einsum("n o, n i, i o -> n o", summed="i", linear=(1, 2), additive=(0,)),
+    aten.matmul.default: matmul_rule,
+    aten.mm.default: einsum("n i, i o -> n o", summed="i", linear=(0, 1)),
+    aten.bmm.default: einsum("b n i, b i o -> b n o", summed="i", linear=(0, 1)),
+    aten.baddbmm.default: einsum("b n o, b n i, b i o -> b n o", summed="i", linear=(1, 2), additive=(0,)),
+    aten.embedding.default: embedding_rule,
+    aten.scaled_dot_product_attention.default: sdpa_rule,
+    # elementwise: linear ones let a Partial through
+    aten.add.Tensor: elementwise(linear=(0, 1), joint=True),
+    aten.sub.Tensor: elementwise(linear=(0, 1), joint=True),
+    aten.mul.Tensor: elementwise(linear=(0, 1)),
+    aten.div.Tensor: elementwise(linear=(0,)),
+    **{op: elementwise(linear=(0,)) for op in LINEAR_UNARY},
+    **{op: elementwise() for op in UNARY + BINARY},
+    aten.softmax.int: elementwise(local_dim_arg=(1, "dim")),
+    aten._softmax.default: elementwise(local_dim_arg=(1, "dim")),
+    aten.log_softmax.int: elementwise(local_dim_arg=(1, "dim")),
+    aten._log_softmax.default: elementwise(local_dim_arg=(1, "dim")),
+    aten.cumsum.default: elementwise(local_dim_arg=(1, "dim")),
+    aten.cumprod.default: elementwise(local_dim_arg=(1, "dim")),
+    aten.triu.default: triangle_rule,
+    aten.tril.default: triangle_rule,
+    aten.layer_norm.default: norm_rule,
+    aten.rms_norm.default: norm_rule,
+    aten.cross_entropy_loss.default: cross_entropy_rule,
+    # reductions
+    aten.sum.dim_IntList: reduction(summed=True),
+    aten.sum.default: reduction(summed=True, dim_arg=None, keepdim_arg=None),
+    aten.mean.dim: reduction(summed=True, mean=True),
+    aten.mean.default: reduction(summed=True, mean=True, dim_arg=None, keepdim_arg=None),
+    aten.amax.default: reduction(summed=False),
+    aten.amin.default: reduction(summed=False),
+    aten.max.dim: reduction(summed=False),
+    aten.min.dim: reduction(summed=False),
+    aten.argmax.default: reduction(summed=False),
+    aten.any.dim: reduction(summed=False),
+    aten.all.dim: reduction(summed=False),
+    # layout: views regroup dims, the rest move them
+    aten.view.default: view_rule,
+    aten.reshape.default: view_rule,
+    aten._unsafe_view.default: view_rule,
+    aten.flatten.using_ints: view_rule,
+    aten.unflatten.int: view_rule,
+    aten.transpose.int: permute_rule,
+    aten.permute.default: permute_rule,
+    aten.t.default: permute_rule,
+    aten.unsqueeze.default: unsqueeze_rule,
+    aten.squeeze.dim: unsqueeze_rule,
+    aten.squeeze.dims: unsqueeze_rule,
+    aten.squeeze.default: unsqueeze_rule,
+    aten.expand.default: expand_rule,
+    aten.slice.Tensor: slice_rule,
+    aten.select.int: select_rule,
+    aten.cat.default: cat_rule,
+    aten.split.Tensor: split_rule,
+    aten.split_with_sizes.default: split_rule,
+    aten.unbind.int: split_rule,
+    aten.index.Tensor: index_rule,
+    **{op: creation_rule for op in CREATION},
+}
+
+# Ops whose local result must be rescaled when a mean runs over a sharded dim.
+MEAN_OPS = {aten.mean.dim, aten.mean.default}
+# Tuple-returning ops whose elements are picked by operator.getitem.
+GETITEM = operator.getitem

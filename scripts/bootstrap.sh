@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with the CPU build of torch and autoshard installed in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, sympy, networkx, tabulate, pytest, autoshard.passes, autoshard.cost" 2>/dev/null; then
+  # torch==2.13.0 is pinned: on a CPU machine of this kind the CPU wheel is on disk;
+  # an unpinned torch would pull a multi-GB CUDA build.
+  .venv/bin/pip install -q "torch==2.13.0" sympy networkx tabulate pytest
+  .venv/bin/pip install -q --no-build-isolation -e .
+fi

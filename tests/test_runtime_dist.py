@@ -1,0 +1,90 @@
+"""The same collective table on 4 gloo processes must equal the simulated mesh.
+
+Spawned processes re-import this module by name, so workers are module-level functions.
+gloo chooses its own summation order, so reductions are compared with a tolerance (fp32,
+rtol 1e-5 / atol 1e-6); gathers, slices and all-to-all must be bit-exact.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from autoshard import Mesh
+from autoshard.runtime import DistributedBackend, rank_context, run_simulated
+from autoshard.runtime.launch import SpawnError, spawn
+
+from test_runtime import MESHES, TABLE, build_case, check_mlp_dp_tp, mlp_dp_tp_rank, run_case_on_rank
+
+pytestmark = pytest.mark.slow
+
+EXACT_OPS = {"all_gather", "shard_slice", "all_to_all", "to_partial"}  # no summation anywhere
+
+
+def _table_worker(rank, world_size):
+    import torch.distributed as dist
+
+    assert dist.get_backend() == "gloo" and world_size == 4
+    out = {}
+    for mesh_axes in {tuple(m.items()) for m, _ in MESHES}:
+        mesh = Mesh(dict(mesh_axes))
+        backend = DistributedBackend(mesh)  # one init_device_mesh per mesh shape
+        for m, axis, op, dims in TABLE:
+            if tuple(m.items()) != mesh_axes:
+                continue
+            case = build_case(m, axis, op, dims)
+            with rank_context(mesh, rank, backend):
+                out[(mesh_axes, axis, op, dims)] = run_case_on_rank(rank, case, axis, op, dims)
+        if mesh.names == ("a", "b"):
+            dp_tp = Mesh({"dp": 2, "tp": 2})
+            with rank_context(dp_tp, rank, DistributedBackend(dp_tp)):
+                out["mlp"] = mlp_dp_tp_rank(rank)
+    return out
+
+
+def _failing_worker(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ZeroDivisionError("rank one gives up")
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the others block here until the launcher kills them
+    return t
+
+
+def _sleepy_worker(rank, world_size):
+    time.sleep(60)
+
+
+def test_gloo_table_equals_simulated():
+    per_rank = spawn(_table_worker, 4, timeout=240)
+    for m, axis, op, dims in TABLE:
+        key = (tuple(m.items()), axis, op, dims)
+        case = build_case(m, axis, op, dims)
+        sim = run_simulated(Mesh(m), lambda r: run_case_on_rank(r, case, axis, op, dims))
+        for rank in range(4):
+            (gy, gdx, gtrace), (sy, sdx, strace) = per_rank[rank][key], sim[rank]
+            if op in EXACT_OPS:
+                assert torch.equal(gy, sy) and torch.equal(gdx, sdx), (key, rank)
+            else:
+                torch.testing.assert_close(gy, sy, rtol=1e-5, atol=1e-6, msg=str((key, rank)))
+                torch.testing.assert_close(gdx, sdx, rtol=1e-5, atol=1e-6, msg=str((key, rank)))
+            assert gtrace == strace, (key, rank)
+    mlp = [per_rank[r]["mlp"] for r in range(4)]
+    check_mlp_dp_tp(mlp)
+    assert all(r[-1] == mlp[0][-1] for r in mlp)
+
+
+def test_spawn_propagates_a_rank_failure_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"(?s)rank 1 failed.*ZeroDivisionError: rank one gives up"):
+        spawn(_failing_worker, 3, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def test_spawn_times_out_and_kills():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"timeout after 8s; ranks \[0, 1\] did not finish"):
+        spawn(_sleepy_worker, 2, timeout=8)
+    assert time.monotonic() - start < 30
