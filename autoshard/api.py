@@ -59,7 +59,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     t = time.perf_counter()
     resolved = resolve_layout(info, layout, mesh)
     grad_inputs = {i.name for i in cap.inputs if i.kind == "parameter" and i.trainable}
-    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs)
+    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, {i.name: i.target for i in cap.inputs})
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
     return Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,

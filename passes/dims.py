@@ -140,6 +140,7 @@ class DimInfo:
     indexing: dict  # node -> Indexing (nodes with a rule)
     fallback: list  # nodes without a rule
     names: dict = field(default_factory=dict)  # leaf-atom tuple -> user name
+    input_dims: dict = field(default_factory=dict)  # "param.fqn:k" -> atoms of that input dim
 
     def of(self, node: fx.Node, out: int = 0) -> list[list[int]]:
         return self.dims[node][out]
@@ -168,6 +169,10 @@ class DimInfo:
         out: dict[str, list] = {}
         for lv, n in self.names.items():
             out.setdefault(n, []).append(lv)
+        for n, atoms in self.input_dims.items():  # a split input dim keeps its whole name too
+            lv = self.leaves(atoms)
+            if len(lv) > 1 and lv not in self.names:
+                out.setdefault(n, []).append(lv)
         seen = {lv[0] for lv in self.names if len(lv) == 1}
         for a in range(len(self.table.size)):
             r = self.table.find(a)
@@ -215,6 +220,7 @@ def infer_dims(graph: fx.Graph, placeholder_origin: dict) -> DimInfo:
     dims: dict = {}
     indexing: dict = {}
     fallback: list = []
+    input_dims: dict = {}
 
     def fresh(node, shape, role):
         where = module_of(node) or node.name
@@ -226,6 +232,7 @@ def infer_dims(graph: fx.Graph, placeholder_origin: dict) -> DimInfo:
             if isinstance(val, torch.Tensor):
                 prefix = placeholder_origin.get(node.name, node.name)
                 dims[node] = [[[t.new(s, f"{prefix}:{k}")] if s != 1 else [] for k, s in enumerate(val.shape)]]
+                input_dims.update({f"{prefix}:{k}": a for k, a in enumerate(dims[node][0]) if a})
             continue
         if node.op != "call_function":
             continue
@@ -273,7 +280,7 @@ def infer_dims(graph: fx.Graph, placeholder_origin: dict) -> DimInfo:
                     dl.append(bound[letter])
             per_out.append(dl)
         dims[node] = per_out
-    return DimInfo(t, dims, indexing, fallback)
+    return DimInfo(t, dims, indexing, fallback, input_dims=input_dims)
 
 
 def _view_dims(t: DimTable, in_dims, in_shape, out_shape, node, fresh):

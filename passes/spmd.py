@@ -132,7 +132,8 @@ class Program:
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set):
+    def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict):
+        self.display = display  # placeholder name -> parameter FQN / argument name, for messages
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -142,6 +143,7 @@ class _Rewriter:
         self.cache: dict = {}
         self.collectives: list = []
         self.fallbacks: list = []
+        self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
         self.tag = 0
 
     # ------------------------------------------------------------------ layout queries
@@ -259,25 +261,27 @@ class _Rewriter:
             self.collectives.append(Collective(fwd, (axis,), nbytes, "forward", where, why, src.name, line, tag, fn.__name__))
         if bwd in COMM_KINDS and src in self.rg:
             out_bytes = new.meta["val"].numel() * new.meta["val"].element_size() if val is not None else 0
-            self.collectives.append(Collective(bwd, (axis,), out_bytes, "backward", where, "adjoint of " + why,
+            self.collectives.append(Collective(bwd, (axis,), out_bytes, "backward", where,
+                                               why if fn.__name__ == "mark_varying" else "adjoint: " + why,
                                                src.name, line, tag, fn.__name__))
         return new
 
     def explain(self, fn, src, consumer, axis, s, t, reason) -> str:
         op = getattr(consumer.target, "__name__", str(consumer.target)).split(".")[0]
+        name = self.display.get(src.name, src.name)
         if fn == "all_reduce":
-            return f"{src.name} is a partial sum on {axis} ({reason}); {op} needs it whole"
+            return f"{self.partial_why.get((src, axis), name + ' is a partial sum')}; {op} needs it whole"
         if fn == "mark_varying":
-            return f"replicated {src.name} feeds per-rank work on {axis} in {op}: backward sums its gradient"
+            return f"replicated {name} feeds per-rank work on {axis} in {op}: backward sums its gradient"
         if fn in ("all_gather", "all_gather_varying"):
-            return f"{src.name} is sharded on {axis} but {op} needs that dim whole ({reason})"
+            return f"{name} is sharded on {axis} but {op} needs that dim whole ({reason})"
         if fn == "reduce_scatter":
-            return f"{src.name} is a partial sum on {axis}; {op} needs it sharded ({reason})"
+            return f"{self.partial_why.get((src, axis), name + ' is a partial sum')}; {op} needs it sharded ({reason})"
         if fn == "all_to_all":
-            return f"{src.name} changes its sharded dim on {axis} from {s} to {t} for {op} ({reason})"
+            return f"{name} changes its sharded dim on {axis} from {s} to {t} for {op} ({reason})"
         if fn == "shard_slice":
-            return f"{op} works on a block of {src.name} on {axis} ({reason})"
-        return f"{src.name} becomes a pending sum on {axis} for {op} ({reason})"
+            return f"{op} works on a block of {name} on {axis} ({reason})"
+        return f"{name} becomes a pending sum on {axis} for {op} ({reason})"
 
     def local_val(self, node):
         v = node.meta.get("val")
@@ -317,8 +321,11 @@ class _Rewriter:
                 outs = []
                 for o in flat:
                     if isinstance(o, fx.Node):
-                        outs.append(self.local[o])
-                        out_places.append(self.place[o][0])
+                        # A pending sum is finished before it leaves: every rank returns the
+                        # value (sharded outputs stay sharded; the caller assembles them).
+                        place = tuple(R if isinstance(p_, Partial) else p_ for p_ in self.place[o][0])
+                        outs.append(self.convert(o, 0, place, set(), node, "the program returns it"))
+                        out_places.append(place)
                     else:
                         outs.append(o)
                         out_places.append(None)
@@ -457,6 +464,15 @@ class _Rewriter:
             places = [places[min(k, len(places) - 1)] for k in range(len(outs))]
         else:
             new.meta["val"] = self.meta_local(outs[0], places[0]) if isinstance(outs[0], torch.Tensor) else outs[0]
+        for i, a in enumerate(self.axes):
+            if any(isinstance(p_[i], Partial) for p_ in places):
+                kind, letter = modes[i]
+                src = next((get_path(node, p_) for j, (p_, _) in enumerate(ix.inputs)
+                            if isinstance(targets[j][i], Partial) and (get_path(node, p_), a) in self.partial_why), None)
+                self.partial_why[(node, a)] = (
+                    f"contracted dim {self.letter_name(node, ix, letter)} is sharded on {a} in {module_of(node) or node.name}"
+                    f" -> partial sum" if kind == "contract" else
+                    self.partial_why.get((src, a), f"{node.name} is a partial sum on {a}"))
         if node.target in MEAN_OPS and any(m[0] == "contract" for m in modes):
             new = self.rescale_mean(node, new, ix, modes)
         self.local[node] = new
@@ -619,7 +635,8 @@ def requires_grad_nodes(graph: fx.Graph, grad_inputs: set) -> set:
     return out
 
 
-def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set) -> Program:
-    """Build the per-rank program for ``layout`` on ``mesh``."""
+def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None) -> Program:
+    """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
+    names that need gradients; ``display``: placeholder name -> name to use in messages."""
     rg = requires_grad_nodes(graph, grad_inputs)
-    return _Rewriter(graph, info, layout, mesh, rg).run()
+    return _Rewriter(graph, info, layout, mesh, rg, display or {}).run()

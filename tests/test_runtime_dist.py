@@ -27,7 +27,9 @@ def _table_worker(rank, world_size):
 
     assert dist.get_backend() == "gloo" and world_size == 4
     out = {}
-    for mesh_axes in {tuple(m.items()) for m, _ in MESHES}:
+    # a list, not a set: string hashes differ between processes, and every rank must build
+    # the device meshes (collective calls) in the same order
+    for mesh_axes in dict.fromkeys(tuple(m.items()) for m, _ in MESHES):
         mesh = Mesh(dict(mesh_axes))
         backend = DistributedBackend(mesh)  # one init_device_mesh per mesh shape
         for m, axis, op, dims in TABLE:

@@ -35,10 +35,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Tracebacks of ranks that only failed because a peer went away first.
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "DistNetworkError", "timed out")
+
+
 def _worker(rank, world_size, port, timeout, threads, fn, args, results):
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A hung rank prints its Python stack to stderr shortly before the parent kills it.
+    faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0), exit=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if threads:
@@ -47,26 +56,29 @@ def _worker(rank, world_size, port, timeout, threads, fn, args, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
         # Pickle here, not in the queue: torch's queue pickler would pass tensors through
         # shared memory that disappears when this process exits.
-        results.put((rank, "ok", pickle.dumps(out)))
+        report = (rank, "ok", pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - the parent needs every failure, with its traceback
-        results.put((rank, "error", traceback.format_exc()))
+        report = (rank, "error", traceback.format_exc())
+    # Report before tearing down: destroying the group makes blocked peers fail too, and the
+    # parent should hear the root cause first.
+    results.put(report)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args, timeout: float = 120.0,
           threads: int | None = 1) -> list:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` fresh processes; results by rank.
 
-    Each process gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK/WORLD_SIZE, and a
-    ``gloo`` default process group (destroyed afterwards). ``fn`` must be a module-level
-    function and its result picklable. The first rank to fail stops the run: the others are
-    killed and :class:`SpawnError` carries that rank's traceback. After ``timeout`` seconds
-    everything still running is killed and SpawnError says which ranks had not reported.
+    Each process gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK/WORLD_SIZE, one
+    intra-op thread (``threads``), and a ``gloo`` default process group (destroyed afterwards).
+    ``fn`` must be a module-level function and its result picklable. When a rank fails, the
+    failures reported within a short grace period are collected, the others are killed, and
+    :class:`SpawnError` carries the tracebacks, root cause first (ranks that only lost a peer
+    last). After ``timeout`` seconds everything still running is killed and SpawnError names
+    the ranks that had not reported (their stacks are dumped to stderr just before).
 
     Example::
 
@@ -81,34 +93,33 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args, timeout: float = 120.0,
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    error: str | None = None
+    errors: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
     try:
-        while len(out) < nprocs and error is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(nprocs)) - set(out))
-                error = f"timeout after {timeout:g}s; ranks {missing} did not finish"
+        while len(out) + len(errors) < nprocs:
+            now = time.monotonic()
+            if now >= deadline:
                 break
             try:
-                rank, status, payload = results.get(timeout=min(left, 0.2))
+                rank, status, payload = results.get(timeout=min(deadline - now, 0.2))
             except queue_mod.Empty:
-                # A process that died without reporting (segfault, os._exit, OOM kill)?
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
-                if not dead:
-                    continue
-                try:  # it may have reported just before dying
-                    rank, status, payload = results.get(timeout=1.0)
-                except queue_mod.Empty:
-                    error = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting"
-                    break
+                heard = set(out) | {r for r, _ in errors}
+                for r, p in enumerate(procs):
+                    # died without reporting (segfault, os._exit, OOM kill); allow for a report
+                    # still in the pipe by checking only after an empty poll
+                    if r not in heard and p.exitcode not in (None, 0):
+                        errors.append((r, f"process exited with code {p.exitcode} without reporting"))
+                        deadline = min(deadline, time.monotonic() + 1.0)
+                continue
             if status == "ok":
                 out[rank] = pickle.loads(payload)
             else:
-                error = f"rank {rank} failed:\n{payload}"
+                errors.append((rank, payload))
+                # Collect what else fails right after (usually peers losing this rank).
+                deadline = min(deadline, time.monotonic() + 2.0)
     finally:
         for p in procs:
-            if p.is_alive() and (error is not None or len(out) < nprocs):
+            if p.is_alive() and (errors or len(out) < nprocs):
                 p.kill()
         for p in procs:
             p.join(5)
@@ -116,6 +127,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args, timeout: float = 120.0,
                 p.kill()
                 p.join(5)
         results.close()
-    if error is not None:
-        raise SpawnError(error)
+    if errors:
+        errors.sort(key=lambda e: any(s in e[1] for s in _SECONDARY))  # stable: arrival order
+        raise SpawnError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in errors))
+    if len(out) < nprocs:
+        missing = sorted(set(range(nprocs)) - set(out))
+        raise SpawnError(f"timeout after {timeout:g}s; ranks {missing} did not finish")
     return [out[r] for r in range(nprocs)]
