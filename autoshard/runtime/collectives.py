@@ -43,7 +43,7 @@ LOCAL_KINDS = ("identity", "slice", "keep_first")
 # The one table pairing each collective with its adjoint. The backward primitive receives the
 # forward's dim arguments in reverse order: a no-op for one dim, the transpose for all_to_all.
 ADJOINTS: dict[str, Adjoint] = {
-    # op                    forward           backward            ownership change on the axis
+    # op                        forward           backward             # ownership change on axis
     "all_reduce":         Adjoint("all_reduce",     "identity"),        # Partial -> Replicate (Megatron g, psum)
     "mark_varying":       Adjoint("identity",       "all_reduce"),      # Replicate used by varying work (f, pbroadcast)
     "reduce_scatter":     Adjoint("reduce_scatter", "all_gather"),      # Partial -> Shard(d)

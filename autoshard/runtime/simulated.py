@@ -15,6 +15,10 @@ The backend also watches for the ways SPMD programs go wrong, and raises instead
 - *failure*: one rank raises -> every other rank is released with :class:`SimulationAborted`
   and :func:`run_simulated` re-raises the original exception, naming its rank.
 
+Meant for CPU tensors: CPU autograd runs backward on the calling (rank) thread. With CUDA
+tensors, autograd runs every backward on one shared device thread, so a collective in one
+rank's backward would wait forever for the other ranks' backwards queued behind it.
+
 Example::
 
     >>> import torch

@@ -1,0 +1,719 @@
+"""Property test: random small programs x random layouts, checked against one device.
+
+Each case is a seeded random program (an ``nn.Module`` built from matmuls / linears / bmm,
+broadcasting elementwise ops, reductions, split/merge reshapes, transposes, softmax and
+embeddings) with every input and parameter dim named, planned under several random layouts on
+the meshes {x: 2}, {x: 4} and {a: 2, b: 2}. For each (program, layout) pair:
+
+- the generator predicts, independently of the library, whether the layout is valid: it knows
+  which logical dims every tensor of the program holds and their sizes, so it knows which
+  layouts ask one mesh axis to shard two dims of one tensor and which sizes do not divide;
+- a rejected layout must raise ``autoshard.LayoutError`` of the predicted kind (message checked);
+- an accepted layout must reproduce the single-device outputs and every parameter gradient
+  (``simulate`` and ``simulate_grads``).
+
+Reproduce one program with ``pytest tests/test_property.py -k seed_017``; ``-s`` prints the
+program's source and, for the summary test, the outcome counts. Run this file as a script
+(``python tests/test_property.py 17``) to print program 17 and its layouts.
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+import sys
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import LayoutError, Mesh
+
+N_PROGRAMS = 80
+LAYOUTS_PER_PROGRAM = 4
+MAX_NUMEL = 2048
+MESHES = [{"x": 2}, {"x": 4}, {"a": 2, "b": 2}]
+
+COMMON_SIZES = [4, 8, 12, 16]  # divisible by 2 and 4
+ODD_SIZES = [2, 6]  # divisible by 2, not by 4
+RARE_SIZES = [3]  # divisible by neither
+
+# Error kinds (documented messages of autoshard.LayoutError).
+KIND_PATTERNS = {
+    "two_dims": "would shard two dims of one tensor",
+    "divisibility": "cannot split evenly",
+    "unknown_axis": "names mesh axis",
+    "unknown_dim": "which no tensor has",
+    "repeat_axis": "repeats a mesh axis",
+}
+
+
+def kind_of(message: str) -> str | None:
+    for kind, pattern in KIND_PATTERNS.items():
+        if pattern in message:
+            return kind
+    return None
+
+
+# =========================================================================== the generator
+# A symbolic tensor: per tensor dim, the tuple of atoms (logical dims, major first) it holds.
+# () is a size-1 dim (keepdim), a tuple of several atoms a merged dim.
+
+
+@dataclass
+class Sym:
+    dims: list
+    bounded: bool = False  # values in [-1, 1] or so (exp is safe on them)
+
+
+@dataclass
+class Program:
+    seed: int
+    sizes: dict = field(default_factory=dict)  # atom name -> size
+    steps: list = field(default_factory=list)  # (op, *args); result index = position in env
+    syms: list = field(default_factory=list)  # Sym of each env value
+    params: dict = field(default_factory=dict)  # FQN -> dims (list of atom tuples)
+    embeddings: dict = field(default_factory=dict)  # module name -> (vocab atom, hidden atom)
+    inputs: dict = field(default_factory=dict)  # arg name -> dims
+    checked: list = field(default_factory=list)  # dims lists of every tensor the pass places
+    consumed: set = field(default_factory=set)
+    outputs: list = field(default_factory=list)
+    loss_kinds: list = field(default_factory=list)
+    source: list = field(default_factory=list)
+
+    # ---------------------------------------------------------------- shapes
+    def size_of(self, d: tuple) -> int:
+        return math.prod(self.sizes[a] for a in d)
+
+    def shape(self, dims) -> list:
+        return [self.size_of(d) for d in dims]
+
+    def numel(self, dims) -> int:
+        return math.prod(self.shape(dims))
+
+    def names(self) -> list:
+        return list(self.sizes)
+
+    def dims_spec(self, dims) -> str:
+        """Names for ``dims``: a single atom is named, a size-1 or merged dim is left to dataflow."""
+        return " ".join(d[0] if len(d) == 1 else "-" for d in dims)
+
+    def dims_arg(self) -> dict:
+        spec = {name: self.dims_spec(d) for name, d in self.inputs.items()}
+        spec.update({fqn: self.dims_spec(d) for fqn, d in self.params.items()})
+        return spec
+
+
+class Gen:
+    """Builds a random :class:`Program` from ``random.Random(seed)``."""
+
+    def __init__(self, seed: int):
+        self.r = random.Random(seed)
+        self.p = Program(seed)
+
+    # ---------------------------------------------------------------- helpers
+    def new_atom(self, limit: int = MAX_NUMEL) -> str | None:
+        r = self.r
+        roll = r.random()
+        pool = COMMON_SIZES if roll < 0.8 else ODD_SIZES if roll < 0.95 else RARE_SIZES
+        used = set(self.p.sizes.values())
+        fits = [s for s in pool if s <= limit]
+        if not fits:
+            fits = [s for s in COMMON_SIZES + ODD_SIZES + RARE_SIZES if s <= limit]
+        if not fits:
+            return None
+        fresh = [s for s in fits if s not in used]
+        size = r.choice(fresh if fresh and r.random() < 0.7 else fits)
+        name = f"d{len(self.p.sizes)}"
+        self.p.sizes[name] = size
+        return name
+
+    def add(self, sym: Sym, step: tuple, src: str, *, view: bool = False, consumed=()) -> int:
+        p = self.p
+        p.steps.append(step)
+        p.syms.append(sym)
+        if not view:
+            p.checked.append(list(sym.dims))
+        p.consumed.update(consumed)
+        k = len(p.syms) - 1
+        p.source.append(f"v{k} = {src}")
+        return k
+
+    def param(self, dims, prefix="w") -> str:
+        name = f"{prefix}{len(self.p.params)}"
+        self.p.params[name] = list(dims)
+        self.p.checked.append(list(dims))
+        return name
+
+    def pick(self, pred=lambda s: True) -> int | None:
+        """A value satisfying ``pred``, preferring the newest and unconsumed ones."""
+        cands = [k for k, s in enumerate(self.p.syms) if pred(s)]
+        if not cands:
+            return None
+        fresh = [k for k in cands if k not in self.p.consumed]
+        if fresh and self.r.random() < 0.8:
+            return max(fresh) if self.r.random() < 0.6 else self.r.choice(fresh)
+        return self.r.choice(cands)
+
+    # ---------------------------------------------------------------- program
+    def build(self) -> Program:
+        r, p = self.r, self.p
+        # Sources: a float input x, and sometimes an embedding of an int input.
+        nd = r.choice([2, 2, 3])
+        xdims = []
+        for _ in range(nd):
+            a = self.new_atom(limit=max(2, 512 // max(1, p.numel(xdims))))
+            xdims.append((a,))
+        p.inputs["x"] = xdims
+        p.checked.append(list(xdims))
+        p.syms.append(Sym(xdims))
+        p.steps.append(("input", "x"))
+        p.source.append("v0 = x")
+        if r.random() < 0.3:
+            idims = [(self.new_atom(limit=16),) for _ in range(r.choice([1, 2]))]
+            v, h = self.new_atom(limit=16), self.new_atom(limit=max(2, 256 // p.numel(idims)))
+            p.inputs["idx"] = idims
+            p.checked.append(list(idims))
+            p.embeddings["emb"] = (v, h)
+            p.params["emb.weight"] = [(v,), (h,)]
+            p.checked.append([(v,), (h,)])
+            self.add(Sym(idims + [(h,)]), ("embedding", "emb"), "self.emb(idx)")
+        n_ops = r.randint(3, 7)
+        ops = [self.op_linear, self.op_bmm, self.op_attention, self.op_binary_param, self.op_binary_act,
+               self.op_scalar, self.op_unary, self.op_reduce, self.op_merge, self.op_split, self.op_transpose,
+               self.op_softmax]
+        weights = [5, 2, 1.5, 3, 1.5, 1.5, 3, 2, 2, 2, 2, 2]
+        done = tries = 0
+        while done < n_ops and tries < 100:
+            tries += 1
+            if r.choices(ops, weights)[0]():
+                done += 1
+        if not p.params:  # every program has a gradient to check
+            self.op_binary_param() or self.op_linear()
+        self.finish()
+        return p
+
+    def finish(self):
+        """Outputs: tanh of every value nobody consumed; loss: sum of their means (or sums)."""
+        p = self.p
+        leaves = [k for k in range(len(p.syms)) if k not in p.consumed and p.steps[k][0] != "input"]
+        if not leaves:
+            leaves = [len(p.syms) - 1]
+        for k in leaves:
+            dims = p.syms[k].dims
+            p.checked.append(list(dims))  # tanh(v)
+            p.outputs.append(k)
+            p.loss_kinds.append(self.r.choice(["mean", "mean", "sum"]))
+        p.checked.append([])
+
+    # ---------------------------------------------------------------- ops
+    def op_linear(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: s.dims and s.dims[-1])
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        rest = p.numel(dims[:-1])
+        n = self.new_atom(limit=MAX_NUMEL // rest)
+        if n is None:
+            return False
+        kdim = dims[-1]
+        out = dims[:-1] + [(n,)]
+        variant = r.choice(["matmul", "at", "linear", "linear_bias", "mm", "tanh_w"])
+        if variant == "mm" and len(dims) != 2:
+            variant = "matmul"
+        if variant in ("linear", "linear_bias"):
+            w = self.param([(n,), kdim])
+            b = self.param([(n,)], "b") if variant == "linear_bias" else None
+            src = f"F.linear(v{k}, self.{w}" + (f", self.{b})" if b else ")")
+            return self.add(Sym(out), ("linear", k, w, b), src, consumed=[k]) is not None
+        w = self.param([kdim, (n,)])
+        if variant == "tanh_w":  # a parameter-derived activation as the right operand
+            p.checked.append([kdim, (n,)])
+            return self.add(Sym(out), ("matmul", k, w, True), f"v{k} @ torch.tanh(self.{w})", consumed=[k]) is not None
+        op = {"matmul": "torch.matmul({}, {})", "at": "{} @ {}", "mm": "torch.mm({}, {})"}[variant]
+        return self.add(Sym(out), (variant, k, w, False), op.format(f"v{k}", f"self.{w}"), consumed=[k]) is not None
+
+    def op_bmm(self) -> bool:
+        """A batched matmul with a 3-D weight: torch.bmm on a 3-D value, or torch.matmul
+        broadcasting a 2-D value over the weight's batch dim."""
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) in (2, 3) and all(s.dims))
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        if len(dims) == 3:
+            b, s, kd = dims
+            n = self.new_atom(limit=MAX_NUMEL // p.numel([b, s]))
+            if n is None:
+                return False
+            w = self.param([b, kd, (n,)])
+            return self.add(Sym([b, s, (n,)]), ("bmm", k, w), f"torch.bmm(v{k}, self.{w})", consumed=[k]) is not None
+        s, kd = dims
+        b = self.new_atom(limit=MAX_NUMEL // p.numel([s]) // 2)
+        if b is None:
+            return False
+        n = self.new_atom(limit=MAX_NUMEL // p.numel([s, (b,)]))
+        if n is None:
+            return False
+        w = self.param([(b,), kd, (n,)])
+        return self.add(Sym([(b,), s, (n,)]), ("matmul", k, w, False), f"torch.matmul(v{k}, self.{w})",
+                        consumed=[k]) is not None
+
+    def op_attention(self) -> bool:
+        """q, k, v projections of one value; scores = q @ k^T (one logical dim twice in one
+        tensor), softmax, @ v."""
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) in (2, 3) and all(s.dims))
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        lead, sd, hd = dims[:-2], dims[-2], dims[-1]
+        if p.numel(lead + [sd, sd]) > MAX_NUMEL:
+            return False
+        e = self.new_atom(limit=MAX_NUMEL // p.numel(lead + [sd]))
+        if e is None:
+            return False
+        wq, wk, wv = (self.param([hd, (e,)]) for _ in range(3))
+        q = self.add(Sym(lead + [sd, (e,)]), ("matmul", k, wq, False), f"v{k} @ self.{wq}", consumed=[k])
+        kk = self.add(Sym(lead + [sd, (e,)]), ("matmul", k, wk, False), f"v{k} @ self.{wk}")
+        v = self.add(Sym(lead + [sd, (e,)]), ("matmul", k, wv, False), f"v{k} @ self.{wv}")
+        p.checked.append(lead + [(e,), sd])  # k^T
+        sc = self.add(Sym(lead + [sd, sd]), ("scores", q, kk), f"v{q} @ v{kk}.transpose(-2, -1)", consumed=[q, kk])
+        sm = self.add(Sym(lead + [sd, sd], True), ("softmax", sc, -1), f"torch.softmax(v{sc}, -1)", consumed=[sc])
+        self.add(Sym(lead + [sd, (e,)]), ("amatmul", sm, v), f"v{sm} @ v{v}", consumed=[sm, v])
+        return True
+
+    def op_binary_param(self) -> bool:
+        """value (op) parameter, the parameter broadcasting: fewer dims and/or size-1 dims."""
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 1)
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        nsuf = r.randint(1, len(dims))
+        pd = [d if (d and r.random() < 0.75) else () for d in dims[len(dims) - nsuf:]]
+        if not any(pd) and r.random() < 0.7:
+            return False
+        if r.random() < 0.2 and nsuf < len(dims):  # a leading size-1 dim too
+            pd = [()] + pd
+        w = self.param(pd, "c")
+        op = r.choice(["add", "sub", "mul"])
+        swap = r.random() < 0.3
+        sym = {"add": "+", "sub": "-", "mul": "*"}[op]
+        a, b = (f"self.{w}", f"v{k}") if swap else (f"v{k}", f"self.{w}")
+        return self.add(Sym(list(dims), p.syms[k].bounded and op == "mul"), ("binp", op, k, w, swap),
+                        f"{a} {sym} {b}", consumed=[k]) is not None
+
+    def op_binary_act(self) -> bool:
+        """Two activations with the same dims (or one a broadcastable suffix of the other)."""
+        r, p = self.r, self.p
+        pairs = []
+        for i, si in enumerate(p.syms):
+            for j, sj in enumerate(p.syms):
+                if i != j and len(sj.dims) <= len(si.dims) and sj.dims == si.dims[len(si.dims) - len(sj.dims):] \
+                        and sj.dims:
+                    pairs.append((i, j))
+        if not pairs:
+            return False
+        fresh = [(i, j) for i, j in pairs if i not in p.consumed or j not in p.consumed]
+        i, j = r.choice(fresh or pairs)
+        op = r.choice(["add", "sub", "mul"])
+        sym = {"add": "+", "sub": "-", "mul": "*"}[op]
+        return self.add(Sym(list(p.syms[i].dims)), ("bina", op, i, j), f"v{i} {sym} v{j}", consumed=[i, j]) is not None
+
+    def op_scalar(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 1)
+        if k is None:
+            return False
+        op = r.choice(["add", "sub", "mul", "rsub", "div"])
+        c = r.choice([0.5, 1.5, 2.0])
+        src = {"add": f"v{k} + {c}", "sub": f"v{k} - {c}", "mul": f"v{k} * {c}", "rsub": f"{c} - v{k}",
+               "div": f"v{k} / {c}"}[op]
+        return self.add(Sym(list(p.syms[k].dims)), ("scalar", op, k, c), src, consumed=[k]) is not None
+
+    def op_unary(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 1)
+        if k is None:
+            return False
+        fn = r.choice(["tanh", "relu", "silu", "sigmoid", "exp"])
+        if fn == "exp" and not p.syms[k].bounded:
+            fn = "tanh"
+        return self.add(Sym(list(p.syms[k].dims), fn in ("tanh", "sigmoid")), ("unary", fn, k),
+                        f"{'F' if fn == 'silu' else 'torch'}.{fn}(v{k})", consumed=[k]) is not None
+
+    def op_reduce(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 2)
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        d = r.randrange(len(dims))
+        keep = r.random() < 0.4
+        fn = r.choice(["sum", "mean"])
+        out = dims[:d] + [()] + dims[d + 1:] if keep else dims[:d] + dims[d + 1:]
+        dd = d - len(dims) if r.random() < 0.3 else d
+        return self.add(Sym(out), ("reduce", fn, k, dd, keep), f"v{k}.{fn}({dd}, keepdim={keep})",
+                        consumed=[k]) is not None
+
+    def op_merge(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 2)
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        i = r.randrange(len(dims) - 1)
+        out = dims[:i] + [dims[i] + dims[i + 1]] + dims[i + 2:]
+        shape = p.shape(out)
+        return self.add(Sym(out, p.syms[k].bounded), ("reshape", k, shape), f"v{k}.reshape({shape})", view=True,
+                        consumed=[k]) is not None
+
+    def op_split(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: any(len(d) >= 2 for d in s.dims))
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        i = r.choice([j for j, d in enumerate(dims) if len(d) >= 2])
+        cut = r.randint(1, len(dims[i]) - 1)
+        out = dims[:i] + [dims[i][:cut], dims[i][cut:]] + dims[i + 1:]
+        shape = p.shape(out)
+        return self.add(Sym(out, p.syms[k].bounded), ("reshape", k, shape), f"v{k}.reshape({shape})", view=True,
+                        consumed=[k]) is not None
+
+    def op_transpose(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 2)
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        if len(dims) >= 3 and r.random() < 0.5:
+            perm = list(range(len(dims)))
+            while perm == sorted(perm):
+                r.shuffle(perm)
+            return self.add(Sym([dims[j] for j in perm], p.syms[k].bounded), ("permute", k, perm),
+                            f"v{k}.permute({perm})", consumed=[k]) is not None
+        a, b = r.sample(range(len(dims)), 2)
+        out = list(dims)
+        out[a], out[b] = out[b], out[a]
+        return self.add(Sym(out, p.syms[k].bounded), ("transpose", k, a, b), f"v{k}.transpose({a}, {b})",
+                        consumed=[k]) is not None
+
+    def op_softmax(self) -> bool:
+        r, p = self.r, self.p
+        k = self.pick(lambda s: len(s.dims) >= 1)
+        if k is None:
+            return False
+        d = r.randrange(len(p.syms[k].dims))
+        return self.add(Sym(list(p.syms[k].dims), True), ("softmax", k, d), f"torch.softmax(v{k}, {d})",
+                        consumed=[k]) is not None
+
+
+# =========================================================================== the module
+
+
+def run_steps(mod, p: Program, x, idx=None):
+    env = []
+    binop = {"add": torch.add, "sub": torch.sub, "mul": torch.mul}
+    for step in p.steps:
+        op = step[0]
+        if op == "input":
+            v = x
+        elif op == "embedding":
+            v = getattr(mod, step[1])(idx)
+        elif op in ("matmul", "at", "mm"):
+            _, k, w, pre = step
+            wt = getattr(mod, w)
+            if pre:
+                wt = torch.tanh(wt)
+            v = torch.matmul(env[k], wt) if op == "matmul" else env[k] @ wt if op == "at" else torch.mm(env[k], wt)
+        elif op == "linear":
+            _, k, w, b = step
+            v = F.linear(env[k], getattr(mod, w), getattr(mod, b) if b else None)
+        elif op == "bmm":
+            v = torch.bmm(env[step[1]], getattr(mod, step[2]))
+        elif op == "scores":
+            v = env[step[1]] @ env[step[2]].transpose(-2, -1)
+        elif op == "amatmul":
+            v = env[step[1]] @ env[step[2]]
+        elif op == "binp":
+            _, o, k, w, swap = step
+            a, b = env[k], getattr(mod, w)
+            v = binop[o](b, a) if swap else binop[o](a, b)
+        elif op == "bina":
+            v = binop[step[1]](env[step[2]], env[step[3]])
+        elif op == "scalar":
+            _, o, k, c = step
+            t = env[k]
+            v = {"add": lambda: t + c, "sub": lambda: t - c, "mul": lambda: t * c, "rsub": lambda: c - t,
+                 "div": lambda: t / c}[o]()
+        elif op == "unary":
+            v = {"tanh": torch.tanh, "relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid,
+                 "exp": torch.exp}[step[1]](env[step[2]])
+        elif op == "reduce":
+            _, fn, k, d, keep = step
+            v = getattr(env[k], fn)(d, keepdim=keep)
+        elif op == "reshape":
+            v = env[step[1]].reshape(step[2])
+        elif op == "permute":
+            v = env[step[1]].permute(step[2])
+        elif op == "transpose":
+            v = env[step[1]].transpose(step[2], step[3])
+        elif op == "softmax":
+            v = torch.softmax(env[step[1]], step[2])
+        else:
+            raise AssertionError(op)
+        env.append(v)
+    outs = [torch.tanh(env[k]) for k in p.outputs]
+    loss = sum(o.mean() if kind == "mean" else o.sum() for o, kind in zip(outs, p.loss_kinds))
+    return (loss, *outs)
+
+
+class _Base(nn.Module):
+    def __init__(self, p: Program):
+        super().__init__()
+        self.prog = p
+        g = torch.Generator().manual_seed(p.seed)
+        for fqn, dims in p.params.items():
+            if "." in fqn:
+                continue
+            setattr(self, fqn, nn.Parameter(torch.randn(p.shape(dims), generator=g) * 0.5))
+        for name, (v, h) in p.embeddings.items():
+            emb = nn.Embedding(p.sizes[v], p.sizes[h])
+            with torch.no_grad():
+                emb.weight.copy_(torch.randn(emb.weight.shape, generator=g) * 0.5)
+            setattr(self, name, emb)
+
+
+class ProgX(_Base):
+    def forward(self, x):
+        return run_steps(self, self.prog, x)
+
+
+class ProgXIdx(_Base):
+    def forward(self, x, idx):
+        return run_steps(self, self.prog, x, idx)
+
+
+def make(seed: int):
+    p = Gen(seed).build()
+    model = ProgXIdx(p) if "idx" in p.inputs else ProgX(p)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    args = [torch.randn(p.shape(p.inputs["x"]), generator=g) * 0.5]
+    if "idx" in p.inputs:
+        v = p.embeddings["emb"][0]
+        args.append(torch.randint(0, p.sizes[v], p.shape(p.inputs["idx"]), generator=g))
+    return p, model, tuple(args)
+
+
+def program_source(p: Program) -> str:
+    lines = [f"# program seed {p.seed}; sizes {p.sizes}",
+             "# params: " + ", ".join(f"{f}{p.shape(d)} '{p.dims_spec(d)}'" for f, d in p.params.items()),
+             "# inputs: " + ", ".join(f"{n}{p.shape(d)} '{p.dims_spec(d)}'" for n, d in p.inputs.items())]
+    lines += p.source
+    outs = [f"torch.tanh(v{k})" for k in p.outputs]
+    lines.append("outs = [" + ", ".join(outs) + "]")
+    lines.append("loss = " + " + ".join(f"outs[{i}].{kind}()" for i, kind in enumerate(p.loss_kinds)))
+    lines.append("return (loss, *outs)")
+    return "\n".join(lines)
+
+
+# =========================================================================== layouts and the oracle
+
+
+def random_layout(r: random.Random, p: Program):
+    mesh = r.choice(MESHES)
+    names = p.names()
+    k = r.choices([1, 2, 3], [0.45, 0.4, 0.15])[0]
+    chosen = r.sample(names, min(k, len(names)))
+    layout = {}
+    axes = list(mesh)
+    for name in chosen:
+        roll = r.random()
+        if roll < 0.08:
+            layout[name] = None
+        elif len(axes) == 2 and roll < 0.25:
+            layout[name] = ("a", "b") if r.random() < 0.8 else ("b", "a")
+        else:
+            a = r.choice(axes)
+            layout[name] = a if r.random() < 0.7 else (a,)
+    roll = r.random()
+    if roll < 0.03:
+        layout["nosuchdim"] = axes[0]
+    elif roll < 0.06:
+        layout[r.choice(names)] = "y"
+    return mesh, layout
+
+
+def _axes(v) -> tuple:
+    return () if v is None else (v,) if isinstance(v, str) else tuple(v)
+
+
+def predict(p: Program, mesh: dict, layout: dict):
+    """(kind, details) the library must raise, or (None, None) for a valid layout."""
+    names = set(p.names())
+    for key, v in layout.items():
+        axes = _axes(v)
+        if any(a not in mesh for a in axes):
+            return "unknown_axis", key
+        if len(set(axes)) != len(axes):
+            return "repeat_axis", key
+        if key not in names:
+            return "unknown_dim", key
+        degree = 1
+        for a in axes:
+            degree *= mesh[a]
+            if p.sizes[key] % degree:
+                return "divisibility", key
+    on_axis = {a: {n for n, v in layout.items() if a in _axes(v)} for a in mesh}
+    conflicts = []
+    for dims in p.checked:
+        for a, ns in on_axis.items():
+            hits = [d for d in dims if d and d[0] in ns]
+            if len(hits) > 1:
+                conflicts.append((a, hits))
+    if conflicts:
+        return "two_dims", conflicts
+    return None, None
+
+
+def sharded_anything(layout: dict) -> bool:
+    return any(_axes(v) for v in layout.values())
+
+
+# =========================================================================== running a case
+
+RESULTS: dict = {}  # seed -> list of outcomes ("planned" or "rejected:<kind>")
+KNOWN_BUGS = {}  # filled below
+
+
+def reference(model, args):
+    model.zero_grad(set_to_none=True)
+    out = model(*args)
+    out[0].backward()
+    grads = {n: (q.grad.clone() if q.grad is not None else torch.zeros_like(q)) for n, q in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return tuple(o.detach() for o in out), grads
+
+
+def close(actual, expected, what):
+    """assert_close(rtol=1e-5, atol=1e-6), the atol relative to the tensor's scale: a gradient
+    element that cancels to ~0 in a tensor of magnitude 10 carries float32 rounding of ~1e-6
+    on one device already (measured against float64)."""
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def check_case(p, model, args, ref, mesh_axes, layout) -> str:
+    """Plan one layout and check it; returns the outcome, raises AssertionError on a mismatch."""
+    expected, detail = predict(p, mesh_axes, layout)
+    mesh = Mesh(dict(mesh_axes))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", autoshard.UnsupportedOpWarning)
+            plan = autoshard.autoshard(model, args, mesh=mesh, dims=p.dims_arg(), layout=layout)
+    except LayoutError as e:
+        msg = str(e)
+        kind = kind_of(msg)
+        assert kind is not None, f"LayoutError of no documented kind: {msg}"
+        assert expected is not None, f"valid layout rejected ({kind}): {msg}"
+        assert kind == expected, f"expected a {expected} rejection ({detail}), got: {msg}"
+        if kind == "two_dims":
+            m = re.search(r"mesh axis '(\w+)' would shard two dims of one tensor, '([^']+)' \(dim \d+\) and "
+                          r"'([^']+)' \(dim \d+\)", msg)
+            assert m, msg
+            axis, n1, n2 = m.groups()
+            on = {n for n, v in layout.items() if axis in _axes(v)}
+            assert n1.split("*")[0] in on and n2.split("*")[0] in on, (on, msg)
+            assert any(a == axis for a, _ in detail), (detail, msg)
+        elif kind == "divisibility":
+            assert f"dim {detail!r} has size {p.sizes[detail]}" in msg, msg
+        elif kind in ("unknown_axis", "unknown_dim"):
+            assert repr(detail) in msg, msg
+        return f"rejected:{kind}"
+    assert expected is None, f"expected a {expected} rejection ({detail}), but it planned:\n{plan}"
+    ref_out, ref_grads = ref
+    assert {c.kind for c in plan.collectives} <= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    for c in plan.collectives:
+        assert c.phase in ("forward", "backward") and set(c.axes) <= set(mesh_axes) and c.why
+    if not sharded_anything(layout):
+        assert not plan.collectives, [c.why for c in plan.collectives]
+    out = plan.simulate(*args)
+    assert len(out) == len(ref_out)
+    for k, (o, r) in enumerate(zip(out, ref_out)):
+        close(o, r, f"simulate output {k}")
+    out, grads = plan.simulate_grads(*args)
+    for k, (o, r) in enumerate(zip(out, ref_out)):
+        close(o, r, f"simulate_grads output {k}")
+    assert set(ref_grads) <= set(grads), (set(ref_grads), set(grads))
+    for name, g in ref_grads.items():
+        close(grads[name], g, f"grad of {name}")
+    return "planned"
+
+
+def layouts_for(seed: int, p: Program):
+    r = random.Random(f"layouts-{seed}")
+    return [random_layout(r, p) for _ in range(LAYOUTS_PER_PROGRAM)]
+
+
+def run_program(seed: int):
+    """Every layout of program ``seed``: (outcomes, failures, known-bug failures)."""
+    p, model, args = make(seed)
+    ref = reference(model, args)
+    outcomes, failures, known = [], [], []
+    for i, (mesh_axes, layout) in enumerate(layouts_for(seed, p)):
+        try:
+            outcomes.append(check_case(p, model, args, ref, mesh_axes, layout))
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its case
+            bug = known_bug(p, mesh_axes, layout, e)
+            text = f"layout #{i} on {mesh_axes}: {layout}\n  {type(e).__name__}: {e}"
+            (known if bug else failures).append((bug, text))
+            outcomes.append(f"known_bug:{bug}" if bug else "FAILED")
+    RESULTS[seed] = outcomes
+    return p, outcomes, failures, known
+
+
+def known_bug(p, mesh_axes, layout, exc) -> str | None:
+    return None
+
+
+@pytest.mark.parametrize("seed", range(N_PROGRAMS), ids=lambda s: f"seed_{s:03d}")
+def test_random_program(seed):
+    p, outcomes, failures, known = run_program(seed)
+    if failures:
+        pytest.fail(f"program {seed}:\n{program_source(p)}\n\n" + "\n".join(t for _, t in failures))
+    if known:
+        pytest.xfail("known library bug(s): " + "; ".join(sorted({b for b, _ in known})))
+
+
+def test_summary():
+    """Outcome counts over every (program, layout) case; runs the programs not run yet."""
+    for seed in range(N_PROGRAMS):
+        if seed not in RESULTS:
+            try:
+                run_program(seed)
+            except Exception:  # noqa: BLE001 - counted below
+                RESULTS[seed] = ["FAILED"] * LAYOUTS_PER_PROGRAM
+    counts = Counter(o for outs in RESULTS.values() for o in outs)
+    total = sum(counts.values())
+    print(f"\nproperty test: {len(RESULTS)} programs, {total} (program, layout) cases")
+    for k, n in sorted(counts.items()):
+        print(f"  {k:28s} {n}")
+    assert total >= 200
+    assert counts["planned"] >= 100, counts
+    assert counts["rejected:two_dims"] > 0 and counts["rejected:divisibility"] > 0, counts
+
+
+if __name__ == "__main__":
+    for s in [int(a) for a in sys.argv[1:]] or [0]:
+        prog, _, _ = make(s)
+        print(program_source(prog))
+        for m, lay in layouts_for(s, prog):
+            print("  layout", m, lay, "->", predict(prog, m, lay)[0])
