@@ -161,9 +161,6 @@ class DimInfo:
             return self.names[lv]
         return "*".join(self.atom_name(a) for a in lv)
 
-    def name(self, node_or_atoms, dims_of=None):
-        return self.dim_name(node_or_atoms)
-
     def all_names(self) -> dict:
         """{name: [leaf tuples]} for every user name and every inferred atom name."""
         out: dict[str, list] = {}

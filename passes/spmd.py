@@ -215,7 +215,7 @@ class _Rewriter:
                 state[i] = t
             else:
                 if isinstance(s, Replicate) and isinstance(t, Shard):
-                    self.check_nesting(state, a, t.dim, src, consumer, adding=True)
+                    self.check_nesting(state, a, t.dim, src, consumer)
                     node = self.emit(C.shard_slice, node, a, (t.dim,), src, consumer, reason, s, t)
                 elif isinstance(s, Replicate) and isinstance(t, Partial):
                     node = self.emit(C.to_partial, node, a, (), src, consumer, reason, s, t)
@@ -229,13 +229,10 @@ class _Rewriter:
         self.cache[key] = node
         return node
 
-    def check_nesting(self, state, axis, dim, src, consumer, adding=False):
+    def check_nesting(self, state, axis, dim, src, consumer):
         """Axes sharding one dim nest in mesh order; only the innermost may change alone."""
         inner = [a for o, a in zip(state, self.axes) if isinstance(o, Shard) and o.dim == dim]
-        if adding:
-            later = [a for a in inner if self.axes.index(a) > self.axes.index(axis)]
-        else:
-            later = [a for a in inner if self.axes.index(a) > self.axes.index(axis)]
+        later = [a for a in inner if self.axes.index(a) > self.axes.index(axis)]
         if later:
             raise LayoutError(
                 f"dim {dim} of {src.name} is split on axes {inner}; changing its ownership on {axis!r} alone "
@@ -380,8 +377,7 @@ class _Rewriter:
                     src = get_path(node, path)
                     if src not in self.place:
                         continue
-                    cur = self.place[src][0] if src.target is not GETITEM else self.place[src][0]
-                    o = cur[i]
+                    o = self.place[src][0][i]
                     if isinstance(o, Shard) and o.dim < len(letters):
                         letter = letters[o.dim]
                         if letter in ix.summed and self.feasible(node, ix, letter, a):
@@ -434,7 +430,7 @@ class _Rewriter:
                 continue
             # replicate mode: Partial passes through ops linear in that operand
             partial_in = [j for j, (path, _) in enumerate(ix.inputs)
-                          if isinstance(self.place[get_path(node, path)][self.out_index(node, path)][i], Partial)]
+                          if isinstance(self.place[get_path(node, path)][0][i], Partial)]
             passthrough = False
             if partial_in:
                 if ix.joint:
@@ -478,11 +474,7 @@ class _Rewriter:
         self.local[node] = new
         self.place[node] = places
 
-    def out_index(self, node, path) -> int:
-        return 0
-
     def map_args(self, node, ix, targets, varying_axes, modes):
-        reason = ", ".join(f"{k} {l} on {a}" for (k, l), a in zip(modes, self.axes) if k != "replicate") or "replicated op"
         converted = {}
         for j, (path, letters) in enumerate(ix.inputs):
             src = get_path(node, path)
@@ -528,10 +520,6 @@ class _Rewriter:
     def rescale_mean(self, node, new, ix, modes):
         """A local mean over a split dim divided by the local count; the sum of partial results
         needs the global count."""
-        x = node.args[0]
-        letters = ix.inputs[0][1]
-        glob = shape_of(x)
-        loc = self.local_val(self.local[x]) if x in self.local else None
         factor = 1.0
         for i, (kind, letter) in enumerate(modes):
             if kind == "contract":

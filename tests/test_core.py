@@ -285,3 +285,17 @@ def test_meta_model_plans_but_refuses_to_simulate():
     assert "Collectives" in str(plan)
     with pytest.raises(ValueError, match="meta device"):
         plan.simulate(x)
+
+
+def test_keyword_arguments_are_captured_and_named():
+    model, (ids, mask, labels), dims = llama_tiny(with_labels=True, with_mask=True)
+    kwargs = {"attention_mask": mask, "labels": labels}
+    plan = autoshard.autoshard(model, (ids,), kwargs, mesh=Mesh({"dp": 2, "tp": 2}), dims=dims, layout=DP_TP)
+    assert str(plan.placement_of("attention_mask")[0]) == "S(0)"
+    model.zero_grad()
+    ref = model(ids, **kwargs)
+    ref.backward()
+    out, grads = plan.simulate_grads(ids, **kwargs)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)

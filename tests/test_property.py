@@ -75,6 +75,7 @@ class Sym:
 class Program:
     seed: int
     sizes: dict = field(default_factory=dict)  # atom name -> size
+    children: dict = field(default_factory=dict)  # atom split by a reshape -> (major, minor) atoms
     steps: list = field(default_factory=list)  # (op, *args); result index = position in env
     syms: list = field(default_factory=list)  # Sym of each env value
     params: dict = field(default_factory=dict)  # FQN -> dims (list of atom tuples)
@@ -96,8 +97,17 @@ class Program:
     def numel(self, dims) -> int:
         return math.prod(self.shape(dims))
 
+    def leaves(self, d: tuple) -> tuple:
+        """The finest atoms of a dim (a reshape may have split one of its atoms)."""
+        out = ()
+        for a in d:
+            out += self.leaves(self.children[a]) if a in self.children else (a,)
+        return out
+
     def names(self) -> list:
-        return list(self.sizes)
+        """Atoms the user names: those that are a whole dim of an input or a parameter."""
+        named = {d[0] for dims in list(self.inputs.values()) + list(self.params.values()) for d in dims if len(d) == 1}
+        return [a for a in self.sizes if a in named]
 
     def dims_spec(self, dims) -> str:
         """Names for ``dims``: a single atom is named, a size-1 or merged dim is left to dataflow."""
@@ -185,9 +195,9 @@ class Gen:
             self.add(Sym(idims + [(h,)]), ("embedding", "emb"), "self.emb(idx)")
         n_ops = r.randint(3, 7)
         ops = [self.op_linear, self.op_bmm, self.op_attention, self.op_binary_param, self.op_binary_act,
-               self.op_scalar, self.op_unary, self.op_reduce, self.op_merge, self.op_split, self.op_transpose,
-               self.op_softmax]
-        weights = [5, 2, 1.5, 3, 1.5, 1.5, 3, 2, 2, 2, 2, 2]
+               self.op_scalar, self.op_unary, self.op_reduce, self.op_merge, self.op_split, self.op_split_atom,
+               self.op_transpose, self.op_softmax]
+        weights = [5, 2, 1.5, 3, 1.5, 1.5, 3, 2, 2, 2, 1.5, 2, 2]
         done = tries = 0
         while done < n_ops and tries < 100:
             tries += 1
@@ -388,6 +398,29 @@ class Gen:
         return self.add(Sym(out, p.syms[k].bounded), ("reshape", k, shape), f"v{k}.reshape({shape})", view=True,
                         consumed=[k]) is not None
 
+    def op_split_atom(self) -> bool:
+        """[.., n, ..] -> [.., n0, n1, ..]: a named dim split into two atoms nobody named
+        (sharding n then shards n0 if n0 alone divides by the axis, else neither)."""
+        r, p = self.r, self.p
+        ok = lambda d: len(d) == 1 and (d[0] in p.children or p.sizes[d[0]] in (4, 6, 8, 12, 16))
+        k = self.pick(lambda s: any(ok(d) for d in s.dims))
+        if k is None:
+            return False
+        dims = p.syms[k].dims
+        i = r.choice([j for j, d in enumerate(dims) if ok(d)])
+        a = dims[i][0]
+        if a not in p.children:
+            n = p.sizes[a]
+            f = r.choice([f for f in range(2, n) if n % f == 0])
+            kids = (f"d{len(p.sizes)}", f"d{len(p.sizes) + 1}")
+            p.sizes[kids[0]], p.sizes[kids[1]] = f, n // f
+            p.children[a] = kids
+        c0, c1 = p.children[a]
+        out = dims[:i] + [(c0,), (c1,)] + dims[i + 1:]
+        shape = p.shape(out)
+        return self.add(Sym(out, p.syms[k].bounded), ("reshape", k, shape), f"v{k}.reshape({shape})", view=True,
+                        consumed=[k]) is not None
+
     def op_transpose(self) -> bool:
         r, p = self.r, self.p
         k = self.pick(lambda s: len(s.dims) >= 2)
@@ -572,11 +605,21 @@ def predict(p: Program, mesh: dict, layout: dict):
             degree *= mesh[a]
             if p.sizes[key] % degree:
                 return "divisibility", key
-    on_axis = {a: {n for n, v in layout.items() if a in _axes(v)} for a in mesh}
+    # Sharding a dim on an axis splits its leading atoms: the unit of a name on an axis is the
+    # shortest prefix of its atoms whose size the axes so far (in the layout's order) divide.
+    units = {a: [] for a in mesh}
+    for key, v in layout.items():
+        atoms, degree = p.leaves((key,)), 1
+        for a in _axes(v):
+            degree *= mesh[a]
+            k = 1
+            while math.prod(p.sizes[x] for x in atoms[:k]) % degree:
+                k += 1
+            units[a].append(atoms[:k])
     conflicts = []
     for dims in p.checked:
-        for a, ns in on_axis.items():
-            hits = [d for d in dims if d and d[0] in ns]
+        for a, us in units.items():
+            hits = [d for d in dims if any(p.leaves(d)[:len(u)] == u for u in us)]
             if len(hits) > 1:
                 conflicts.append((a, hits))
     if conflicts:
@@ -631,7 +674,8 @@ def check_case(p, model, args, ref, mesh_axes, layout) -> str:
             assert m, msg
             axis, n1, n2 = m.groups()
             on = {n for n, v in layout.items() if axis in _axes(v)}
-            assert n1.split("*")[0] in on and n2.split("*")[0] in on, (on, msg)
+            for n in (n1.split("*")[0], n2.split("*")[0]):
+                assert n in on or n not in p.names(), (on, msg)  # names of atoms nobody named are inferred
             assert any(a == axis for a, _ in detail), (detail, msg)
         elif kind == "divisibility":
             assert f"dim {detail!r} has size {p.sizes[detail]}" in msg, msg
