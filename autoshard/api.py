@@ -28,7 +28,8 @@ from .mesh import Mesh
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
-from autoshard.passes.spmd import LayoutError, resolve_layout, rewrite
+from autoshard.passes.spmd import LayoutError, input_placements, resolve_layout, rewrite
+from .training import choose_storage, data_axes
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
@@ -37,9 +38,12 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated)."""
-    if zero_stage not in (None, 0) or reshard_after_forward is not None:
-        raise NotImplementedError("state sharding (zero_stage 1-3, reshard_after_forward) is not supported yet; "
-                                  "plan with zero_stage=None or 0")
+    if zero_stage not in (None, 0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
+    if (zero_stage or reshard_after_forward is not None) and not train:
+        raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
+    if reshard_after_forward is not None and zero_stage != 3:
+        raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
     if memory_limit is not None:
         raise NotImplementedError("memory_limit needs the layout search, which is not supported yet")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
@@ -59,11 +63,20 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     t = time.perf_counter()
     resolved = resolve_layout(info, layout, mesh)
     grad_inputs = {i.name for i in cap.inputs if i.kind == "parameter" and i.trainable}
-    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, {i.name: i.target for i in cap.inputs})
+    stage = zero_stage or 0
+    places = input_placements(cap.graph, info, resolved, mesh)
+    axes = data_axes([(places[i.name], mesh.names) for i in cap.inputs if i.kind == "user" and i.name in places])
+    if stage and not axes:
+        raise LayoutError(f"zero_stage={stage} shards training state over the data-parallel axis, but no mesh axis "
+                          f"splits an input: put the batch dim on a mesh axis in layout (e.g. {{'batch': 'dp'}})")
+    params = {n.name: n.meta["val"] for n in cap.graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
+    storage = choose_storage(params, places, mesh, axes[0], stage,
+                             True if reshard_after_forward is None else reshard_after_forward) if stage else {}
+    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, {i.name: i.target for i in cap.inputs}, storage)
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
     return Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
-                train=train, timings=timings)
+                train=train, timings=timings, zero_stage=stage, data_axes=axes)
 
 
 def _progress(verbose, msg):

@@ -9,6 +9,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,6 +21,7 @@ from .mesh import Mesh
 from .ownership import Partial, Replicate, Shard, assemble, describe, local_piece, local_shape
 from .runtime import run_simulated
 from .runtime.context import current
+from .training import LocalModule, ShardedOptimizer, slice_dim_for
 from autoshard.passes.dims import module_of
 
 
@@ -34,6 +36,8 @@ class Plan:
     train: bool = False
     timings: dict = field(default_factory=dict)
     last_trace: list = field(default_factory=list)  # per-rank CollectiveRecords of the last simulation
+    zero_stage: int = 0
+    data_axes: list = field(default_factory=list)  # mesh axes that split the batch
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -76,22 +80,6 @@ class Plan:
         return self.program.placements[name][0]
 
     # ------------------------------------------------------------------ running
-    def _local_inputs(self, rank: int, args, kwargs, grads: bool):
-        flat = self.captured.flatten_args(args, kwargs)
-        users = iter(flat)
-        out, params = [], {}
-        for inp, place in zip(self.captured.inputs, self.program.input_placements):
-            full = self.captured.state[inp.target] if inp.kind != "user" else next(users)
-            if not isinstance(full, torch.Tensor):
-                out.append(full)
-                continue
-            piece = local_piece(full.detach(), place, self.mesh, rank).clone()
-            if grads and inp.kind == "parameter" and inp.trainable:
-                piece.requires_grad_(True)
-                params[inp.target] = piece
-            out.append(piece)
-        return out, params
-
     def _check_real(self, args, kwargs):
         for t in list(self.captured.state.values()) + pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.is_meta:
@@ -111,17 +99,17 @@ class Plan:
                 outs, grads = plan.run_rank(rank, tokens, grads=True)
         """
         self._check_real(args, kwargs)
-        inputs, params = self._local_inputs(rank, args, kwargs, grads=grads)
-        gm = self.program.graph_module
+        local = self.build(rank)
         if not grads:
             with torch.no_grad():
-                return list(gm(*inputs))
-        outs = list(gm(*inputs))
+                return local.run_flat(args, kwargs)
+        outs = local.run_flat(args, kwargs)
         loss = outs[self.loss_index()]
         # The grad of a Replicate or Partial value is the full gradient, of a Shard its block:
         # ones of the local shape are right in every case (d sum / d out = 1).
         loss.backward(torch.ones_like(loss))
-        local_grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in params.items()}
+        local_grads = {local.fqn_of[n]: (p.grad if p.grad is not None else torch.zeros_like(p))
+                       for n, p in local.named_parameters() if p.requires_grad}
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], local_grads
 
     def assemble_outputs(self, per_rank: list):
@@ -167,6 +155,102 @@ class Plan:
             self.mesh, lambda rank: (*self.run_rank(rank, *args, grads=True, **kwargs), list(current().trace)))
         self.last_trace = [r[2] for r in results]
         return self.assemble_outputs([r[0] for r in results]), self.assemble_grads([r[1] for r in results])
+
+    # ------------------------------------------------------------------ training
+    def build(self, rank: int) -> LocalModule:
+        """This rank's program with its parameter pieces as stored (call it inside a rank
+        context). See :mod:`autoshard.training`."""
+        return LocalModule(self, rank)
+
+    def optimizer(self, local: LocalModule, optimizer_cls, **kwargs) -> ShardedOptimizer:
+        """The optimizer for ``local``: ``optimizer_cls(params, **kwargs)`` over this rank's
+        slices, with the plan's optimizer-phase gathers (ZeRO-1/2).
+
+        Example::
+
+            opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+        """
+        return ShardedOptimizer(local, lambda params: optimizer_cls(params, **kwargs))
+
+    def simulate_train(self, batches, optimizer=None, microbatches: int = 1):
+        """Train on the simulated mesh: one step per element of ``batches`` (an argument
+        tuple; with ``microbatches=k`` a list of k tuples whose gradients accumulate, each loss
+        scaled by 1/k, communicating on the data axes only in the last one). Returns
+        ``(per-step losses, {param FQN: full parameter after the last step})``.
+
+        Example::
+
+            losses, params = plan.simulate_train([(ids, None, labels)] * 3,
+                                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        """
+        factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
+        steps = [list(b) if microbatches > 1 else [b] for b in batches]
+        if any(len(s) != microbatches for s in steps):
+            raise ValueError(f"with microbatches={microbatches} every step needs {microbatches} argument tuples")
+        for s in steps:
+            for mb in s:
+                self._check_real(mb, {})
+        li = self.loss_index()
+
+        def rank_fn(rank):
+            local = self.build(rank)
+            opt = ShardedOptimizer(local, factory)
+            losses = []
+            for step in steps:
+                total = 0.0
+                for j, mb in enumerate(step):
+                    sync = contextlib.nullcontext() if j == len(step) - 1 else local.no_sync()
+                    with sync:
+                        loss = local.run_flat(tuple(mb), {})[li]
+                        (loss / len(step)).backward()
+                    total += loss.item() / len(step)
+                opt.step()
+                opt.zero_grad()
+                losses.append(total)
+            return losses, local.full_parameters(), list(current().trace)
+
+        results = run_simulated(self.mesh, rank_fn)
+        self.last_trace = [r[2] for r in results]
+        params = {fqn: assemble([r[1][fqn] for r in results], self.placement_of(fqn), self.mesh)
+                  for fqn in results[0][1]}
+        for alias, kept in self.captured.aliases.items():
+            if kept in params:
+                params[alias] = params[kept]
+        return results[0][0], params
+
+    def global_shape(self, placeholder: str) -> tuple:
+        return tuple(self._placeholder(placeholder).meta["val"].shape)
+
+    def state_bytes(self, optimizer_states: int = 2) -> dict:
+        """Predicted bytes of parameters, gradients and optimizer state per rank, from the
+        placements: ``optimizer_states`` per-element buffers (2 for Adam/AdamW, 1 for SGD with
+        momentum). Equals what :meth:`build` and :meth:`optimizer` allocate.
+
+        Example::
+
+            plan.state_bytes()   # {'params': ..., 'grads': ..., 'optimizer': ...}
+        """
+        prog, mesh = self.program, self.mesh
+        out = {"params": 0, "grads": 0, "optimizer": 0}
+        for name, kind, i in prog.placeholders:
+            inp = self.captured.inputs[i]
+            if kind != "input" or inp.kind != "parameter":
+                continue
+            val = self._placeholder(name).meta["val"]
+            size = val.element_size()
+            use = torch.Size(local_shape(val.shape, prog.use_placements[name], mesh)).numel()
+            stored = torch.Size(local_shape(val.shape, prog.input_placements[i], mesh)).numel()
+            st = prog.storage.get(name)
+            out["params"] += size * (use if st is not None and st.mode == "persistent" else stored)
+            if not inp.trainable:
+                continue
+            out["grads"] += size * stored
+            opt = stored
+            if self.zero_stage == 1 and self.data_axes:
+                d = slice_dim_for(prog.use_placements[name], val.shape, mesh, self.data_axes[0])
+                opt = use // mesh.axes[self.data_axes[0]] if d is not None else use
+            out["optimizer"] += size * opt * optimizer_states
+        return out
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:

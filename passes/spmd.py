@@ -128,12 +128,22 @@ class Program:
     output_placements: list  # per flat output
     collectives: list
     fallbacks: list  # (op, module, line)
-    local_shapes: dict = field(default_factory=dict)
+    # Placeholders of the per-rank program in order: (name, kind, index into captured inputs),
+    # kind "input" (the value in its stored placement) or "full" (ZeRO-2's persistent full copy
+    # of that parameter, in its use placement).
+    placeholders: list = field(default_factory=list)
+    reshard_tags: frozenset = frozenset()  # parameter gathers released after forward
+    storage: dict = field(default_factory=dict)  # placeholder name -> ParamStorage
+    use_placements: dict = field(default_factory=dict)  # placeholder name -> placement where used
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict):
+    def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
+                 storage: dict):
         self.display = display  # placeholder name -> parameter FQN / argument name, for messages
+        self.storage = storage  # placeholder name -> ParamStorage (state sharding on a data axis)
+        self.full_copies: dict = {}  # placeholder name -> its persistent full copy's placeholder
+        self.reshard_tags: set = set()
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -204,10 +214,17 @@ class _Rewriter:
                     self.check_nesting(state, a, s.dim, src, consumer)
                     self.check_nesting(state, a, t.dim, src, consumer)
                     node = self.emit(C.all_to_all, node, a, (t.dim, s.dim), src, consumer, reason, s, t)
+                elif isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate):
+                    # ZeRO-2: read the full copy gathered after the last optimizer step.
+                    node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
+                                     extra_inputs=(self.full_copies[src.name],))
                 elif isinstance(s, Shard) and not isinstance(t, Shard):
                     self.check_nesting(state, a, s.dim, src, consumer)
                     fn = C.all_gather_varying if a in varying and isinstance(t, Replicate) else C.all_gather
                     node = self.emit(fn, node, a, (s.dim,), src, consumer, reason, s, t)
+                    st = self.storage.get(src.name)
+                    if st is not None and st.reshard and a == st.axis:
+                        self.reshard_tags.add(node.meta["autoshard"]["tag"])
                     if isinstance(t, Partial):
                         node = self.emit(C.to_partial, node, a, (), src, consumer, reason, R, t)
                 else:
@@ -239,10 +256,10 @@ class _Rewriter:
                 f"would reorder blocks (needed by {self.where(consumer)}); list the mesh axes of a dim in "
                 f"mesh order {list(self.axes)} and keep them together")
 
-    def emit(self, fn, node, axis, extra, src, consumer, reason, s, t):
+    def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=()):
         tag = self.tag
         self.tag += 1
-        new = self.g.call_function(fn, (node, axis, *extra), {"tag": tag})
+        new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag})
         val = self.local_val(node)
         nbytes = 0
         if val is not None:
@@ -270,6 +287,12 @@ class _Rewriter:
             return f"{self.partial_why.get((src, axis), name + ' is a partial sum')}; {op} needs it whole"
         if fn == "mark_varying":
             return f"replicated {name} feeds per-rank work on {axis} in {op}: backward sums its gradient"
+        st = self.storage.get(src.name)
+        if st is not None and axis == st.axis and fn in ("all_gather", "all_gather_varying", "use_persistent"):
+            when = {"use_persistent": "kept whole since the last optimizer step",
+                    "all_gather_varying": "gathered for use" + (", released after forward" if st.reshard else
+                                                                 ", kept through backward")}.get(fn, "gathered")
+            return f"parameter {name} is stored sharded on {axis} (ZeRO-{st.stage}), {when}; {op} needs it whole"
         if fn in ("all_gather", "all_gather_varying"):
             return f"{name} is sharded on {axis} but {op} needs that dim whole ({reason})"
         if fn == "reduce_scatter":
@@ -287,7 +310,7 @@ class _Rewriter:
     def converted_val(self, val, fn, axis, extra):
         R_ = self.mesh.axes[axis]
         shape = list(val.shape)
-        if fn in ("all_gather", "all_gather_varying"):
+        if fn in ("all_gather", "all_gather_varying", "use_persistent"):
             shape[extra[0]] *= R_
         elif fn in ("reduce_scatter", "shard_slice"):
             shape[extra[0]] //= R_
@@ -300,14 +323,24 @@ class _Rewriter:
     def run(self) -> Program:
         input_places = []
         out_places = []
+        placeholders, use_places = [], {}
         for node in self.g0.nodes:
             if node.op == "placeholder":
                 new = self.g.placeholder(node.name)
                 new.meta = dict(node.meta)
                 self.local[node] = new
+                index = len(input_places)
+                placeholders.append((node.name, "input", index))
                 if is_tensor_node(node):
-                    self.place[node] = [self.desired(node)]
+                    st = self.storage.get(node.name)
+                    use_places[node.name] = self.desired(node)
+                    self.place[node] = [st.placement if st else use_places[node.name]]
                     new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
+                    if st is not None and st.mode == "persistent":
+                        full = self.g.placeholder(node.name + "_full")
+                        full.meta = dict(node.meta, val=self.meta_local(node.meta["val"], self.desired(node)))
+                        self.full_copies[node.name] = full
+                        placeholders.append((full.name, "full", index))
                 else:
                     self.place[node] = [tuple(R for _ in self.axes)]
                 input_places.append(self.place[node][0])
@@ -331,7 +364,8 @@ class _Rewriter:
                 raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
         gm = fx.GraphModule(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
-                       self.collectives, self.fallbacks)
+                       self.collectives, self.fallbacks, placeholders, frozenset(self.reshard_tags),
+                       dict(self.storage), use_places)
 
     def meta_local(self, val, place):
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
@@ -623,8 +657,28 @@ def requires_grad_nodes(graph: fx.Graph, grad_inputs: set) -> set:
     return out
 
 
-def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None) -> Program:
+def input_placements(graph: fx.Graph, info: DimInfo, layout: Layout, mesh) -> dict:
+    """{placeholder name: placement the layout gives it} for every tensor input."""
+    r = _Rewriter(graph, info, layout, mesh, set(), {}, {})
+    return {n.name: r.desired(n) for n in graph.nodes if n.op == "placeholder" and is_tensor_node(n)}
+
+
+@dataclass(frozen=True)
+class ParamStorage:
+    """How a parameter is stored between uses when its state is sharded on a data axis."""
+
+    placement: tuple  # stored placement: the use placement plus Shard(dim) on ``axis``
+    axis: str
+    dim: int
+    stage: int  # ZeRO stage 2 or 3 (stage 1 stores parameters whole)
+    mode: str  # "persistent" (ZeRO-2: full copy refreshed by the optimizer) | "gather" (ZeRO-3)
+    reshard: bool = False  # ZeRO-3: release the gathered parameter after forward
+
+
+def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
+            storage=None) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
-    names that need gradients; ``display``: placeholder name -> name to use in messages."""
+    names that need gradients; ``display``: placeholder name -> name to use in messages;
+    ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters."""
     rg = requires_grad_nodes(graph, grad_inputs)
-    return _Rewriter(graph, info, layout, mesh, rg, display or {}).run()
+    return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}).run()

@@ -45,6 +45,7 @@ KINDS = {
     "shard_slice": (None, "all_gather"),
     "all_to_all": ("all_to_all", "all_to_all"),
     "to_partial": (None, None),
+    "use_persistent": (None, "reduce_scatter"),
 }
 
 

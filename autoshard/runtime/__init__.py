@@ -18,7 +18,8 @@ Example::
 from .backend import Backend, CollectiveError
 from .collectives import (ADJOINTS, COLLECTIVES, COMM_KINDS, LOCAL_KINDS, Adjoint, all_gather,
                           all_gather_varying, all_reduce, all_to_all, backward_collective,
-                          forward_collective, mark_varying, reduce_scatter, shard_slice, to_partial)
+                          forward_collective, mark_varying, reduce_scatter, reshard_after_forward,
+                          shard_slice, to_partial, use_persistent)
 from .distributed import DistributedBackend
 from .context import CollectiveRecord, RankContext, current, rank_context, trace_phase
 from .simulated import SimulatedBackend, SimulationAborted, run_simulated
@@ -29,5 +30,6 @@ __all__ = [
     "CollectiveError", "CollectiveRecord", "DistributedBackend", "RankContext",
     "SimulatedBackend", "SimulationAborted", "all_gather", "all_gather_varying", "all_reduce",
     "all_to_all", "backward_collective", "current", "forward_collective", "mark_varying",
-    "rank_context", "reduce_scatter", "run_simulated", "shard_slice", "to_partial", "trace_phase",
+    "rank_context", "reduce_scatter", "reshard_after_forward", "run_simulated", "shard_slice",
+    "to_partial", "trace_phase", "use_persistent",
 ]

@@ -20,6 +20,8 @@ Example (Megatron's f and g around a tensor-parallel MLP)::
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -52,7 +54,11 @@ ADJOINTS: dict[str, Adjoint] = {
     "shard_slice":        Adjoint("slice",          "all_gather"),      # Replicate -> Shard(d)
     "all_to_all":         Adjoint("all_to_all",     "all_to_all"),      # Shard(g) -> Shard(s), reversed backward
     "to_partial":         Adjoint("keep_first",     "identity"),        # Replicate -> Partial
+    # ZeRO-2: a parameter shard read through the full copy kept since the last optimizer step.
+    "use_persistent":     Adjoint("identity",       "reduce_scatter"),  # Shard(d) -> Replicate, varying use
 }
+# Backward primitives that sum over ranks: linear, so accumulation may defer them.
+SUMMING = ("all_reduce", "reduce_scatter")
 
 
 def comm_kind(primitive: str) -> str | None:
@@ -120,14 +126,49 @@ class _Collective(torch.autograd.Function):
     def forward(fctx, x, op, axis, dims, tag):
         rctx = current(f"autoshard collective {op}")
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
-        return _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, _phase(rctx))
+        out = _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, _phase(rctx))
+        if tag is not None and tag in rctx.reshard_tags:
+            _register_reshard(rctx, out, x.detach(), axis, dims, tag)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(fctx, grad):
-        g = _run(fctx.rctx, ADJOINTS[fctx.op].backward, grad.detach(), fctx.axis,
-                 fctx.dims[::-1], fctx.op, fctx.tag, "backward")
-        return g, None, None, None, None
+        return _backward(fctx, grad), None, None, None, None
+
+
+def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
+    """The adjoint of ``fctx.op`` on ``grad``, deferred under gradient accumulation."""
+    rctx, primitive = fctx.rctx, ADJOINTS[fctx.op].backward
+    grad = grad.detach()
+    if primitive in SUMMING:
+        key = (fctx.op, fctx.tag, fctx.axis)
+        if fctx.axis in rctx.defer_axes:
+            # Sum(k microbatches) then reduce == reduce each then sum: send once, at the end.
+            rctx.deferred[key] = rctx.deferred[key] + grad if key in rctx.deferred else grad.clone()
+            if primitive == "all_reduce":
+                return torch.zeros_like(grad)
+            shape = list(grad.shape)
+            shape[fctx.dims[0]] //= rctx.mesh.axis_size(fctx.axis)
+            return grad.new_zeros(shape)
+        if key in rctx.deferred:
+            grad = grad + rctx.deferred.pop(key)
+    return _run(rctx, primitive, grad, fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag, "backward")
+
+
+class _UsePersistent(torch.autograd.Function):
+    """ZeRO-2: forward reads the full parameter kept since the last optimizer step (no
+    communication); backward reduce-scatters the gradient onto this rank's shard."""
+
+    @staticmethod
+    def forward(fctx, shard, full, axis, dim, tag):
+        fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = current("use_persistent"), "use_persistent", axis, (dim,), tag
+        return full.detach()  # an alias, not a copy: the full copy is the persistent parameter
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx, grad):
+        return _backward(fctx, grad), None, None, None, None
 
 
 def _dim(x: torch.Tensor, dim: int, op: str, name: str = "dim") -> int:
@@ -233,6 +274,68 @@ def to_partial(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tens
     return _apply("to_partial", x, axis, (), tag)
 
 
+def use_persistent(shard: torch.Tensor, full: torch.Tensor, axis: str, dim: int,
+                   tag: int | None = None) -> torch.Tensor:
+    """ZeRO-2 parameter read: ``full`` (gathered after the last optimizer step) forward, and the
+    gradient reduce-scattered onto ``shard`` backward.
+
+    Example::
+
+        w = use_persistent(w_shard, w_full, "dp", 0)   # grads arrive as w_shard-sized blocks
+    """
+    current("autoshard collective use_persistent").mesh.check_axis(axis)
+    return _UsePersistent.apply(shard, full, axis, _dim(full, dim, "use_persistent"), tag)
+
+
+# ---- resharding after forward (ZeRO-3 / FSDP) ------------------------------------------------
+
+def _register_reshard(rctx: RankContext, full: torch.Tensor, shard: torch.Tensor, axis, dims, tag) -> None:
+    ptr = full.untyped_storage().data_ptr()
+    rctx.reshard_live[ptr] = (shard, axis, dims, tag)
+    # Once the full tensor dies (forward is done with it), its address may be reused.
+    weakref.finalize(full, rctx.reshard_live.pop, ptr, None)
+
+
+@contextlib.contextmanager
+def reshard_after_forward():
+    """While active, tensors that autograd saves from registered parameter gathers are
+    replaced by a token; backward gathers the parameter again (once per parameter, shared by
+    every saved view) instead of keeping it alive between forward and backward.
+
+    Example::
+
+        with rank_context(mesh, rank, backend) as ctx, reshard_after_forward():
+            ctx.reshard_tags = frozenset(plan.program.reshard_tags)
+            loss = program(*inputs); loss.backward()
+    """
+    rctx = current("reshard_after_forward")
+    regathered: dict = {}  # tag -> [full tensor, saved views still to unpack]
+
+    def pack(t):
+        hit = rctx.reshard_live.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if hit is None:
+            return t
+        shard, axis, dims, tag = hit
+        regathered.setdefault(tag, [None, 0])[1] += 1
+        return ("regather", shard, axis, dims, tag, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(obj):
+        if not (isinstance(obj, tuple) and obj and obj[0] == "regather"):
+            return obj
+        _, shard, axis, dims, tag, size, stride, offset = obj
+        entry = regathered[tag]
+        if entry[0] is None:
+            entry[0] = _run(rctx, "all_gather", shard, axis, dims, "all_gather_varying", tag, "backward")
+        full = entry[0]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del regathered[tag]
+        return full.as_strided(size, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 COLLECTIVES = {
     "all_reduce": all_reduce,
     "mark_varying": mark_varying,
@@ -242,5 +345,6 @@ COLLECTIVES = {
     "shard_slice": shard_slice,
     "all_to_all": all_to_all,
     "to_partial": to_partial,
+    "use_persistent": use_persistent,
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()

@@ -59,6 +59,14 @@ class RankContext:
     # The collective currently inside the backend (op, tag, phase): lets a backend name the
     # op in mismatch / deadlock messages without widening the Backend interface.
     call: tuple[str, int | None, str] | None = None
+    # Gradient accumulation: backward sums (all-reduce, reduce-scatter) on these axes are
+    # stashed by (op, tag) instead of sent, and sent once with the last microbatch.
+    defer_axes: frozenset = frozenset()
+    deferred: dict = field(default_factory=dict)
+    # Parameter gathers (by tag) whose full tensors are released after forward and gathered
+    # again when backward needs them (ZeRO-3 / FSDP resharding); filled by the plan.
+    reshard_tags: frozenset = frozenset()
+    reshard_live: dict = field(default_factory=dict)  # storage ptr of a live gather -> its source
 
     def __post_init__(self):
         self.coords = self.mesh.coords(self.rank)
