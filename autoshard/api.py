@@ -29,7 +29,7 @@ from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.spmd import LayoutError, input_placements, resolve_layout, rewrite
-from .training import choose_storage, data_axes
+from .training import choose_storage, data_axes, state_collectives
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
@@ -72,7 +72,9 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     params = {n.name: n.meta["val"] for n in cap.graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
     storage = choose_storage(params, places, mesh, axes[0], stage,
                              True if reshard_after_forward is None else reshard_after_forward) if stage else {}
-    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, {i.name: i.target for i in cap.inputs}, storage)
+    display = {i.name: i.target for i in cap.inputs}
+    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, display, storage)
+    program.collectives += state_collectives(program, stage, axes, mesh, params, display)
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
     return Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,

@@ -74,6 +74,31 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
     return out
 
 
+def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, display: dict) -> list:
+    """Collectives of state sharding that the forward program does not show: the second gather
+    of a resharded parameter (backward) and the optimizer-phase gathers of ZeRO-1/2."""
+    from autoshard.passes.spmd import Collective
+
+    out = []
+    for c in program.collectives:
+        if c.tag in program.reshard_tags and c.phase == "forward":
+            out.append(Collective("all_gather", c.axes, c.bytes, "backward", c.where,
+                                  c.why.split(";")[0] + "; gathered again when backward reads it", c.node,
+                                  c.line, c.tag, c.op))
+    if stage in (1, 2) and axes:
+        axis = axes[0]
+        for name, val in shapes.items():
+            use = program.use_placements[name]
+            d = slice_dim_for(use, val.shape, mesh, axis)
+            if d is None:
+                continue
+            n = torch.Size(local_shape(val.shape, use, mesh)).numel() // mesh.axes[axis] * val.element_size()
+            out.append(Collective("all_gather", (axis,), n, "optimizer", display.get(name, name).rsplit(".", 1)[0],
+                                  f"ZeRO-{stage}: each rank updated its slice of {display.get(name, name)}; "
+                                  f"the updated slices are gathered into the whole parameter", name))
+    return out
+
+
 def slice_dim_for(use_place, shape, mesh, axis):
     """ZeRO-1's optimizer slice: the first dim no other axis splits that ``axis`` divides."""
     for d, size in enumerate(shape):

@@ -289,3 +289,22 @@ def test_zero_needs_a_data_axis():
     with pytest.raises(autoshard.LayoutError, match="no mesh axis splits an input"):
         autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, layout={"heads": "tp"}, train=True,
                             zero_stage=1)
+
+
+@pytest.mark.parametrize("stage,reshard", LEVELS, ids=LEVEL_IDS)
+def test_plan_lists_what_one_step_runs(stage, reshard):
+    """plan.collectives (forward, backward, optimizer) is what a training step executes; a
+    resharded parameter's second gather is listed and runs only where backward reads it."""
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = plan_for(model, args, dims, *MESHES[1], stage, reshard)
+    plan.simulate_train([args], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    listed = collections.Counter((c.kind, c.axes[0], c.phase) for c in plan.collectives)
+    ran = collections.Counter((r.kind, r.axis, r.phase) for r in plan.last_trace[0])
+    if reshard:
+        key = ("all_gather", "dp", "backward")
+        assert 0 < ran[key] <= listed[key]
+        # Only the embedding table is not read by backward (its gradient needs the indices only).
+        assert listed[key] - ran[key] == 1
+        listed.pop(key), ran.pop(key)
+    assert listed == ran
+    assert any("ZeRO" in c.why for c in plan.collectives) == (stage > 0)
