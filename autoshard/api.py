@@ -29,15 +29,17 @@ from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.spmd import LayoutError, input_placements, resolve_layout, rewrite
-from .training import choose_storage, data_axes, state_collectives
+from .training import bucket_collectives, choose_storage, data_axes, state_collectives
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
-              memory_limit=None, verbose: bool = False) -> Plan:
+              memory_limit=None, bucket_mb: float = 25.0, verbose: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
-    dims it leaves out stay whole (replicated)."""
+    dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
+    replicated parameters are all-reduced in buckets of ``bucket_mb`` MiB (0: one all-reduce per
+    parameter, inside backward), launched as they fill so they overlap the rest of backward."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -73,8 +75,13 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     storage = choose_storage(params, places, mesh, axes[0], stage,
                              True if reshard_after_forward is None else reshard_after_forward) if stage else {}
     display = {i.name: i.target for i in cap.inputs}
-    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, display, storage)
+    bucketing = train and stage < 2 and axes and bucket_mb
+    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, display, storage,
+                      bucket_axis=axes[0] if bucketing else None,
+                      bucket_candidates=[n for n in params if n not in storage] if bucketing else ())
     program.collectives += state_collectives(program, stage, axes, mesh, params, display)
+    program.collectives += bucket_collectives(program, axes[0] if bucketing else None, params, display,
+                                              int(bucket_mb * 2 ** 20) if bucketing else 0)
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
     return Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .ownership import Replicate, Shard, local_piece, local_shape
+from .runtime.buckets import GradBuckets, assign_buckets
 from .runtime.collectives import all_gather, reshard_after_forward
 from .runtime.context import current, trace_phase
 from autoshard.passes.spmd import LayoutError, ParamStorage
@@ -99,6 +100,27 @@ def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, displ
     return out
 
 
+def bucket_collectives(program, axis, shapes: dict, display: dict, bucket_bytes: int) -> list:
+    """One backward all-reduce per gradient bucket (tags after the program's own)."""
+    from autoshard.passes.spmd import Collective
+
+    if not program.bucketed:
+        return []
+    sizes = [(n, shapes[n].numel() * shapes[n].element_size()) for n in program.bucketed]
+    first_tag = 1 + max((c.tag for c in program.collectives), default=-1)
+    program.buckets = [(first_tag + k, names) for k, names in enumerate(assign_buckets(sizes, bucket_bytes))]
+    out = []
+    for tag, names in program.buckets:
+        size = sum(dict(sizes)[n] for n in names)
+        params = [display.get(n, n) for n in names]
+        out.append(Collective("all_reduce", (axis,), size, "backward", params[0].rsplit(".", 1)[0],
+                              f"gradient bucket of {len(names)} replicated parameters used by per-rank work on "
+                              f"{axis} ({', '.join(params[:3])}{', ...' if len(params) > 3 else ''}): backward sums "
+                              f"them, started once the bucket is ready so it overlaps the rest of backward",
+                              ",".join(names), "", tag, "grad_bucket"))
+    return out
+
+
 def slice_dim_for(use_place, shape, mesh, axis):
     """ZeRO-1's optimizer slice: the first dim no other axis splits that ``axis`` divides."""
     for d, size in enumerate(shape):
@@ -152,6 +174,9 @@ class LocalModule(nn.Module):
         for name, kind, index in prog.placeholders:
             if kind == "full":
                 self._values[name] = fulls[name[: -len("_full")]]
+        if prog.buckets:
+            GradBuckets({n: self._values[n] for n in prog.bucketed}, [names for _, names in prog.buckets],
+                        plan.data_axes[0], tags=[tag for tag, _ in prog.buckets]).attach()
 
     def local_inputs(self, args, kwargs) -> list:
         plan = self._plan

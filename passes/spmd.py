@@ -135,15 +135,22 @@ class Program:
     reshard_tags: frozenset = frozenset()  # parameter gathers released after forward
     storage: dict = field(default_factory=dict)  # placeholder name -> ParamStorage
     use_placements: dict = field(default_factory=dict)  # placeholder name -> placement where used
+    bucketed: list = field(default_factory=list)  # parameters synchronized by gradient buckets, in ready order
+    buckets: list = field(default_factory=list)  # (tag, [parameter names]) per bucket, in launch order
 
 
 class _Rewriter:
     def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
-                 storage: dict):
+                 storage: dict, bucket_axis=None, bucket_candidates=()):
         self.display = display  # placeholder name -> parameter FQN / argument name, for messages
         self.storage = storage  # placeholder name -> ParamStorage (state sharding on a data axis)
         self.full_copies: dict = {}  # placeholder name -> its persistent full copy's placeholder
         self.reshard_tags: set = set()
+        # Data-parallel gradient sync by buckets: parameters whose every use is per-rank work on
+        # the data axis lose their mark_varying there; GradBuckets sums their gradients instead.
+        self.bucket_axis = bucket_axis
+        self.bucket_uses: dict = {name: set() for name in (bucket_candidates or ())}
+        self.bucket_marks: dict = {}  # placeholder name -> its mark_varying nodes on that axis
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -194,6 +201,8 @@ class _Rewriter:
         node = self.local[src] if out is None or not isinstance(self.local[src], list) else self.local[src][out]
         needs_grad = src in self.rg
         varying = frozenset(varying) if needs_grad else frozenset()
+        if src.name in self.bucket_uses:
+            self.bucket_uses[src.name].add(self.bucket_axis in varying)
         key = (src, out, target, varying)
         if key in self.cache:
             return self.cache[key]
@@ -267,6 +276,8 @@ class _Rewriter:
         if val is not None:
             new.meta["val"] = self.converted_val(val, fn.__name__, axis, extra)
         new.meta["autoshard"] = {"where": module_of(consumer), "why": reason, "tag": tag}
+        if fn is C.mark_varying and axis == self.bucket_axis and src.name in self.bucket_uses:
+            self.bucket_marks.setdefault(src.name, []).append(new)
         fwd, bwd = C.ADJOINTS[fn.__name__]
         where, line = module_of(consumer), source_line(consumer)
         why = self.explain(fn.__name__, src, consumer, axis, s, t, reason)
@@ -362,10 +373,28 @@ class _Rewriter:
                 self.g.output(tuple(outs))
             else:
                 raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
+        bucketed = self.take_bucketed()
         gm = fx.GraphModule(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
                        self.collectives, self.fallbacks, placeholders, frozenset(self.reshard_tags),
-                       dict(self.storage), use_places)
+                       dict(self.storage), use_places, bucketed)
+
+    def take_bucketed(self) -> list:
+        """Drop the data-axis mark_varying of parameters used only by per-rank work there; they
+        are synchronized by gradient buckets. Returns them in the order their gradients become
+        ready (reverse order of first use)."""
+        first_use = {}
+        for i, node in enumerate(self.g0.nodes):
+            for a in node.all_input_nodes:
+                first_use.setdefault(a.name, i)
+        names = [n for n, uses in self.bucket_uses.items() if uses == {True} and n in self.bucket_marks]
+        for name in names:
+            for mv in self.bucket_marks[name]:
+                tag = mv.meta["autoshard"]["tag"]
+                mv.replace_all_uses_with(mv.args[0])
+                self.g.erase_node(mv)
+                self.collectives = [c for c in self.collectives if c.tag != tag]
+        return sorted(names, key=lambda n: -first_use.get(n, 0))
 
     def meta_local(self, val, place):
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
@@ -676,9 +705,11 @@ class ParamStorage:
 
 
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
-            storage=None) -> Program:
+            storage=None, bucket_axis=None, bucket_candidates=()) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
-    ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters."""
+    ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
+    ``bucket_candidates``: parameters whose ``bucket_axis`` gradient sync may be bucketed."""
     rg = requires_grad_nodes(graph, grad_inputs)
-    return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}).run()
+    return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
+                     bucket_candidates).run()

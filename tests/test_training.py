@@ -162,8 +162,10 @@ class MLP(nn.Module):
 def test_collective_schedule_per_level(stage, reshard):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(8, 16)
+    # bucket_mb=0: one gradient all-reduce per parameter, to count per parameter as the table does
     plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 2}), dims={"x": "batch hidden"},
-                               layout={"batch": "dp"}, train=True, zero_stage=stage, reshard_after_forward=reshard)
+                               layout={"batch": "dp"}, train=True, zero_stage=stage, reshard_after_forward=reshard,
+                               bucket_mb=0)
     plan.simulate_train([(x,)], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     n_params = len(list(model.parameters()))
     expected = {k: v * n_params for k, v in SCHEDULE[(stage, reshard)].items()}
@@ -197,7 +199,8 @@ def test_full_sharding_moves_one_and_a_half_times_ddp():
     moved = {}
     for stage, reshard in [(0, None), (3, True), (3, False)]:
         plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 4}), dims={"x": "batch hidden"},
-                                   layout={"batch": "dp"}, train=True, zero_stage=stage, reshard_after_forward=reshard)
+                                   layout={"batch": "dp"}, train=True, zero_stage=stage, reshard_after_forward=reshard,
+                                   bucket_mb=0)
         plan.simulate_grads(x)
         moved[(stage, reshard)] = moved_bytes(plan, "down.weight", 4)
     assert moved[(3, True)] / moved[(0, None)] == pytest.approx(1.5)
@@ -265,16 +268,44 @@ def test_gradient_accumulation_communicates_only_in_the_last_microbatch():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for n, p in ref_params.items():
         torch.testing.assert_close(params[n], p, rtol=1e-5, atol=1e-6)
-    # Per step: one backward gradient sync per parameter on dp (not four), all after the last
-    # microbatch's forward.
+    # Per step: each gradient bucket is all-reduced once on dp (not four times), after the last
+    # microbatch's forward; every parameter is in exactly one bucket.
     trace = plan.last_trace[0]
     dp_bwd = [i for i, r in enumerate(trace) if r.axis == "dp" and r.phase == "backward"]
-    n_params = len(list(model.parameters()))
-    assert len(dp_bwd) == 2 * n_params
+    n_buckets = len(plan.program.buckets)
+    assert n_buckets >= 1 and len(dp_bwd) == 2 * n_buckets
+    in_buckets = sorted(n for _, names in plan.program.buckets for n in names)
+    assert in_buckets == sorted(i.name for i in plan.captured.inputs if i.kind == "parameter")
     forwards = [i for i, r in enumerate(trace) if r.phase == "forward" and r.axis == "tp"]
     per_mb = len(forwards) // 8
     last_fwd_of_step1 = forwards[4 * per_mb - 1]
-    assert all(i > last_fwd_of_step1 for i in dp_bwd[:n_params])
+    assert all(i > last_fwd_of_step1 for i in dp_bwd[:n_buckets])
+
+
+def test_gradient_buckets_fill_in_backward_order_and_overlap_backward():
+    """Small buckets: several all-reduces, filled in the order gradients become ready (last
+    layer first), the same on every rank, each started before backward is over (the tensor-
+    parallel all-reduces of earlier layers' backward still follow)."""
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "tp": 2}), dims=dims,
+                               layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, train=True, bucket_mb=0.01)
+    assert len(plan.program.buckets) > 3
+    names = {i.name: i.target for i in plan.captured.inputs}
+    first = [names[n] for n in plan.program.buckets[0][1]]
+    last = [names[n] for n in plan.program.buckets[-1][1]]
+    assert "lm_head.weight" in first and "embed_tokens.weight" in last
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    losses, params = plan.simulate_train([args], optimizer=make_opt)
+    ref_losses, ref_params = reference_train(model, [args], make_opt)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-5, atol=1e-6)
+    tags = [tag for tag, _ in plan.program.buckets]
+    for trace in plan.last_trace:
+        order = [r.tag for r in trace if r.op == "grad_bucket"]
+        assert order == tags
+        first_bucket = next(i for i, r in enumerate(trace) if r.op == "grad_bucket")
+        last_tp_bwd = max(i for i, r in enumerate(trace) if r.axis == "tp" and r.phase == "backward")
+        assert first_bucket < last_tp_bwd
 
 
 def test_non_elementwise_optimizer_is_refused_on_sharded_state():

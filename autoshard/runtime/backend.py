@@ -52,6 +52,24 @@ class Backend:
     def all_to_all(self, x: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def all_reduce_async(self, x: torch.Tensor, axis: str) -> "Pending":
+        """Start a sum all-reduce; ``.wait()`` returns the result. Backends that cannot overlap
+        communication with compute finish it here."""
+        return Pending(result=self.all_reduce(x, axis))
+
     @staticmethod
     def _ctx():
         return current("a collective")
+
+
+class Pending:
+    """An all-reduce in flight (``work`` from torch.distributed) or already done."""
+
+    def __init__(self, result: torch.Tensor, work=None):
+        self.result, self.work = result, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.result

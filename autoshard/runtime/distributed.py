@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, check_divisible
+from .backend import Backend, Pending, check_divisible
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
 _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -67,6 +67,11 @@ class DistributedBackend(Backend):
         out = x.detach().clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis])
         return out
+
+    def all_reduce_async(self, x, axis):
+        out = x.contiguous().clone()
+        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis], async_op=True)
+        return Pending(out, work)
 
     def all_gather(self, x, axis, dim):
         n = self.mesh.axis_size(axis)

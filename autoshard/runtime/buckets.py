@@ -1,0 +1,105 @@
+"""Bucketed data-parallel gradient all-reduce, overlapped with the rest of backward.
+
+Parameters are assigned to buckets up front, in the order their gradients become ready
+(reverse order of first use in forward), the same on every rank. When autograd has finished a
+parameter's gradient (post-accumulate-grad hook) it is marked ready; a bucket is flattened and
+its all-reduce started (asynchronously where the backend can) as soon as it and every earlier
+bucket are ready, so communication runs under the remaining backward compute. At the end of
+backward every bucket is waited for and the sums are copied back into ``.grad``.
+
+Inside ``LocalModule.no_sync()`` (gradient accumulation) nothing is sent: gradients accumulate
+locally and the first backward outside it all-reduces the accumulated sums (the sum is linear,
+so this is exact).
+
+Example::
+
+    names = assign_buckets([("w2", w2.numel() * 4), ("w1", w1.numel() * 4)], bucket_bytes=25 * 2**20)
+    GradBuckets({"w1": w1, "w2": w2}, names, axis="dp").attach()
+    loss.backward()          # grads of w1, w2 are summed over dp when backward returns
+"""
+from __future__ import annotations
+
+import torch
+
+from .context import CollectiveRecord, current
+
+
+def assign_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Greedy buckets over (name, bytes) in order: a bucket closes once it reaches
+    ``bucket_bytes`` (a parameter larger than that gets a bucket of its own)."""
+    buckets, cur, filled = [], [], 0
+    for name, n in sizes:
+        cur.append(name)
+        filled += n
+        if filled >= bucket_bytes:
+            buckets.append(cur)
+            cur, filled = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class GradBuckets:
+    """Sums the gradients of ``params`` ({name: leaf}) over ``axis`` by ``buckets`` (lists of
+    names, in the order they become ready), tagging each bucket's all-reduce with ``tags``."""
+
+    def __init__(self, params: dict, buckets: list, axis: str, tags: list | None = None):
+        self.params = dict(params)
+        self.axis = axis
+        self.buckets = buckets
+        self.tags = tags or [None] * len(self.buckets)
+        self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
+        self._reset()
+
+    def _reset(self):
+        self.ready = [0] * len(self.buckets)
+        self.pending: list = []
+        self.next = 0
+        self.finishing = False
+
+    def attach(self):
+        for name, p in self.params.items():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: self._on_ready(name))
+        return self
+
+    def _on_ready(self, name: str):
+        ctx = current("gradient bucket")
+        if self.axis in ctx.defer_axes:
+            return  # accumulating: keep the local sum in .grad
+        if not self.finishing:
+            self.finishing = True
+            self.ctx = ctx
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        k = self.bucket_of[name]
+        self.ready[k] += 1
+        while self.next < len(self.buckets) and self.ready[self.next] == len(self.buckets[self.next]):
+            self._launch(self.next)
+            self.next += 1
+
+    def _launch(self, k: int):
+        ps = [self.params[n] for n in self.buckets[k]]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+        ctx = self.ctx
+        self.pending.append((k, ctx.backend.all_reduce_async(flat, self.axis)))
+        ctx.trace.append(CollectiveRecord(kind="all_reduce", axis=self.axis, bytes=flat.numel() * flat.element_size(),
+                                          phase="backward", tag=self.tags[k], op="grad_bucket",
+                                          shape=tuple(flat.shape), dtype=flat.dtype))
+
+    def _finish(self):
+        # Parameters that got no gradient this step never fired their hook: their buckets go
+        # out now, in order, so every rank sends the same buckets.
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+            self.next += 1
+        for k, handle in self.pending:
+            summed = handle.wait()
+            offset = 0
+            for n in self.buckets[k]:
+                p = self.params[n]
+                piece = summed[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.copy_(piece)
+        self._reset()
