@@ -123,7 +123,9 @@ def elementwise(linear: tuple = (), joint: bool = False, local_dim_arg: Optional
             d = arg(node, *local_dim_arg)
             if out_shape:
                 local = frozenset({f"e{len(out_shape) - norm_dim(d, len(out_shape))}"})
-        lin = tuple(k for k, p in enumerate(paths) if p[0] in linear) if linear != "all" else tuple(range(len(paths)))
+        lin = tuple(k for k, p in enumerate(paths) if p[0] in linear)
+        if joint and any(not is_tensor_node(a) for a in node.args[:2]):
+            lin = ()  # x + 1.0: the constant would be added once per rank to a pending sum
         return Indexing(list(zip(paths, ins)), [out], local=local, linear=lin, joint=joint)
 
     rule.__doc__ = "elementwise rule (broadcasting)"

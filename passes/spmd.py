@@ -503,7 +503,8 @@ class _Rewriter:
                 else:
                     passthrough = len(partial_in) == 1 and partial_in[0] in ix.linear
             for j in range(n_in):
-                targets[j][i] = P if (passthrough and j in partial_in) else R
+                # A bias added to a passed-through pending sum must be added once: Partial too.
+                targets[j][i] = P if (passthrough and (j in partial_in or j in ix.additive)) else R
             if passthrough:
                 varying_axes.add(a)
             for k in range(len(ix.outputs)):
