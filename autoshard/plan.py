@@ -310,3 +310,18 @@ class Plan:
                     s *= self.info.table.size[a]
                 return s
         return "?"
+
+    # ------------------------------------------------------------------ export
+    def export(self, path, args=None, kwargs=None, **options):
+        """Write this plan to the directory ``path``, runnable with
+        ``torchrun --nproc-per-node=N path/run.py [--check] [--steps K]``. ``args``/``kwargs``:
+        example inputs (saved, and used for the ``--check`` references). Options: see
+        :func:`autoshard.passes.export.export_plan`. Returns the directory's Path.
+
+        Example::
+
+            plan.export("out/llama", args)   # then: torchrun --nproc-per-node=4 out/llama/run.py --check
+        """
+        from autoshard.passes.export import export_plan
+
+        return export_plan(self, path, args, kwargs, **options)

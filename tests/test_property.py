@@ -12,13 +12,17 @@ the meshes {x: 2}, {x: 4} and {a: 2, b: 2}. For each (program, layout) pair:
 - an accepted layout must reproduce the single-device outputs and every parameter gradient
   (``simulate`` and ``simulate_grads``).
 
-Reproduce one program with ``pytest tests/test_property.py -k seed_017``; ``-s`` prints the
-program's source and, for the summary test, the outcome counts. Run this file as a script
-(``python tests/test_property.py 17``) to print program 17 and its layouts.
+Reproduce one program with ``pytest tests/test_property.py -k seed_17`` (a failure prints the
+program's source and the failing layouts); ``-s`` prints the outcome counts of the summary
+test. Run this file as a script (``python tests/test_property.py 17``) to print program 17,
+its layouts and the predicted outcome of each. Open library bugs (``KNOWN_BUGS``) make their
+programs xfail, recognised by their signature in the plan.
 """
 from __future__ import annotations
 
+import copy
 import math
+import os
 import random
 import re
 import sys
@@ -33,8 +37,10 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import LayoutError, Mesh
+from autoshard.ownership import Partial
 
-N_PROGRAMS = 80
+# More programs for a longer search: AUTOSHARD_PROPERTY_PROGRAMS=1000 pytest tests/test_property.py
+N_PROGRAMS = int(os.environ.get("AUTOSHARD_PROPERTY_PROGRAMS", "120"))
 LAYOUTS_PER_PROGRAM = 4
 MAX_NUMEL = 2048
 MESHES = [{"x": 2}, {"x": 4}, {"a": 2, "b": 2}]
@@ -81,7 +87,10 @@ class Program:
     params: dict = field(default_factory=dict)  # FQN -> dims (list of atom tuples)
     embeddings: dict = field(default_factory=dict)  # module name -> (vocab atom, hidden atom)
     inputs: dict = field(default_factory=dict)  # arg name -> dims
-    checked: list = field(default_factory=list)  # dims lists of every tensor the pass places
+    # Dims of every tensor whose placement the pass derives from the layout: inputs, parameters
+    # and the result of every op except reshapes (a reshape's result takes its input's shards
+    # that survive the regrouping, so it never holds a conflict of its own).
+    checked: list = field(default_factory=list)
     consumed: set = field(default_factory=set)
     outputs: list = field(default_factory=list)
     loss_kinds: list = field(default_factory=list)
@@ -184,7 +193,7 @@ class Gen:
         p.syms.append(Sym(xdims))
         p.steps.append(("input", "x"))
         p.source.append("v0 = x")
-        if r.random() < 0.3:
+        if r.random() < 0.5:
             idims = [(self.new_atom(limit=16),) for _ in range(r.choice([1, 2]))]
             v, h = self.new_atom(limit=16), self.new_atom(limit=max(2, 256 // p.numel(idims)))
             p.inputs["idx"] = idims
@@ -203,8 +212,11 @@ class Gen:
             tries += 1
             if r.choices(ops, weights)[0]():
                 done += 1
-        if not p.params:  # every program has a gradient to check
-            self.op_binary_param() or self.op_linear()
+        for _ in range(20):  # every program has a gradient to check
+            if p.params:
+                break
+            self.op_linear() or self.op_binary_param()
+        assert p.params, f"program {p.seed} has no parameter"
         self.finish()
         return p
 
@@ -229,14 +241,33 @@ class Gen:
             return False
         dims = p.syms[k].dims
         rest = p.numel(dims[:-1])
-        n = self.new_atom(limit=MAX_NUMEL // rest)
+        kdim = dims[-1]
+        # Sometimes reuse a parameter (a second use, e.g. a tied embedding as the output
+        # projection): its gradient sums two uses that may need different conversions.
+        reuse = [(f, "linear") for f, d in p.params.items() if len(d) == 2 and d[1] == kdim and len(d[0]) == 1] + \
+                [(f, "matmul") for f, d in p.params.items() if len(d) == 2 and d[0] == kdim and len(d[1]) == 1]
+        reuse = [(f, v) for f, v in reuse if rest * p.numel([p.params[f][0 if v == "linear" else 1]]) <= MAX_NUMEL]
+        if reuse and r.random() < 0.4:
+            w, how = r.choice(reuse)
+            if how == "linear":
+                out = dims[:-1] + [p.params[w][0]]
+                return self.add(Sym(out), ("linear", k, w, None), f"F.linear(v{k}, self.{w})", consumed=[k]) is not None
+            out = dims[:-1] + [p.params[w][1]]
+            return self.add(Sym(out), ("matmul", k, w, False), f"torch.matmul(v{k}, self.{w})",
+                            consumed=[k]) is not None
+        n = self.new_atom(limit=MAX_NUMEL // max(rest, p.numel([kdim])))
         if n is None:
             return False
-        kdim = dims[-1]
         out = dims[:-1] + [(n,)]
-        variant = r.choice(["matmul", "at", "linear", "linear_bias", "mm", "tanh_w"])
+        variant = r.choice(["matmul", "at", "linear", "linear_bias", "mm", "tanh_w", "vec"])
         if variant == "mm" and len(dims) != 2:
             variant = "matmul"
+        if variant == "vec" and len(dims) >= 2:  # value @ 1-D weight: contracts the last dim away
+            w = self.param([kdim])
+            return self.add(Sym(dims[:-1]), ("matmul", k, w, False), f"torch.matmul(v{k}, self.{w})",
+                            consumed=[k]) is not None
+        if variant == "vec":
+            variant = "at"
         if variant in ("linear", "linear_bias"):
             w = self.param([(n,), kdim])
             b = self.param([(n,)], "b") if variant == "linear_bias" else None
@@ -259,16 +290,16 @@ class Gen:
         dims = p.syms[k].dims
         if len(dims) == 3:
             b, s, kd = dims
-            n = self.new_atom(limit=MAX_NUMEL // p.numel([b, s]))
+            n = self.new_atom(limit=MAX_NUMEL // max(p.numel([b, s]), p.numel([b, kd])))
             if n is None:
                 return False
             w = self.param([b, kd, (n,)])
             return self.add(Sym([b, s, (n,)]), ("bmm", k, w), f"torch.bmm(v{k}, self.{w})", consumed=[k]) is not None
         s, kd = dims
-        b = self.new_atom(limit=MAX_NUMEL // p.numel([s]) // 2)
+        b = self.new_atom(limit=MAX_NUMEL // max(p.numel([s]), p.numel([kd])) // 2)
         if b is None:
             return False
-        n = self.new_atom(limit=MAX_NUMEL // p.numel([s, (b,)]))
+        n = self.new_atom(limit=MAX_NUMEL // max(p.numel([s, (b,)]), p.numel([(b,), kd])))
         if n is None:
             return False
         w = self.param([(b,), kd, (n,)])
@@ -286,7 +317,7 @@ class Gen:
         lead, sd, hd = dims[:-2], dims[-2], dims[-1]
         if p.numel(lead + [sd, sd]) > MAX_NUMEL:
             return False
-        e = self.new_atom(limit=MAX_NUMEL // p.numel(lead + [sd]))
+        e = self.new_atom(limit=MAX_NUMEL // max(p.numel(lead + [sd]), p.numel([hd])))
         if e is None:
             return False
         wq, wk, wv = (self.param([hd, (e,)]) for _ in range(3))
@@ -294,7 +325,12 @@ class Gen:
         kk = self.add(Sym(lead + [sd, (e,)]), ("matmul", k, wk, False), f"v{k} @ self.{wk}")
         v = self.add(Sym(lead + [sd, (e,)]), ("matmul", k, wv, False), f"v{k} @ self.{wv}")
         p.checked.append(lead + [(e,), sd])  # k^T
-        sc = self.add(Sym(lead + [sd, sd]), ("scores", q, kk), f"v{q} @ v{kk}.transpose(-2, -1)", consumed=[q, kk])
+        if len(lead) == 1 and r.random() < 0.5:  # torch.bmm on two activations
+            sc = self.add(Sym(lead + [sd, sd]), ("bscores", q, kk), f"torch.bmm(v{q}, v{kk}.transpose(1, 2))",
+                          consumed=[q, kk])
+        else:
+            sc = self.add(Sym(lead + [sd, sd]), ("scores", q, kk), f"v{q} @ v{kk}.transpose(-2, -1)",
+                          consumed=[q, kk])
         sm = self.add(Sym(lead + [sd, sd], True), ("softmax", sc, -1), f"torch.softmax(v{sc}, -1)", consumed=[sc])
         self.add(Sym(lead + [sd, (e,)]), ("amatmul", sm, v), f"v{sm} @ v{v}", consumed=[sm, v])
         return True
@@ -313,8 +349,12 @@ class Gen:
         if r.random() < 0.2 and nsuf < len(dims):  # a leading size-1 dim too
             pd = [()] + pd
         w = self.param(pd, "c")
-        op = r.choice(["add", "sub", "mul"])
-        swap = r.random() < 0.3
+        op = r.choice(["add", "sub", "mul", "div"])
+        swap = r.random() < 0.3 and op != "div"
+        if op == "div":  # by a positive parameter-derived tensor
+            p.checked.append(pd)
+            return self.add(Sym(list(dims)), ("binp", op, k, w, False), f"v{k} / torch.exp(self.{w})",
+                            consumed=[k]) is not None
         sym = {"add": "+", "sub": "-", "mul": "*"}[op]
         a, b = (f"self.{w}", f"v{k}") if swap else (f"v{k}", f"self.{w}")
         return self.add(Sym(list(dims), p.syms[k].bounded and op == "mul"), ("binp", op, k, w, swap),
@@ -365,9 +405,16 @@ class Gen:
         if k is None:
             return False
         dims = p.syms[k].dims
-        d = r.randrange(len(dims))
         keep = r.random() < 0.4
         fn = r.choice(["sum", "mean"])
+        if len(dims) >= 3 and r.random() < 0.25:  # over two dims at once
+            red = sorted(r.sample(range(len(dims)), 2))
+            out = [() if j in red else d for j, d in enumerate(dims)] if keep else \
+                [d for j, d in enumerate(dims) if j not in red]
+            dd = tuple(red)
+            return self.add(Sym(out), ("reduce", fn, k, dd, keep), f"v{k}.{fn}({dd}, keepdim={keep})",
+                            consumed=[k]) is not None
+        d = r.randrange(len(dims))
         out = dims[:d] + [()] + dims[d + 1:] if keep else dims[:d] + dims[d + 1:]
         dd = d - len(dims) if r.random() < 0.3 else d
         return self.add(Sym(out), ("reduce", fn, k, dd, keep), f"v{k}.{fn}({dd}, keepdim={keep})",
@@ -463,23 +510,25 @@ def run_steps(mod, p: Program, x, idx=None):
             v = getattr(mod, step[1])(idx)
         elif op in ("matmul", "at", "mm"):
             _, k, w, pre = step
-            wt = getattr(mod, w)
+            wt = mod.get_parameter(w)
             if pre:
                 wt = torch.tanh(wt)
             v = torch.matmul(env[k], wt) if op == "matmul" else env[k] @ wt if op == "at" else torch.mm(env[k], wt)
         elif op == "linear":
             _, k, w, b = step
-            v = F.linear(env[k], getattr(mod, w), getattr(mod, b) if b else None)
+            v = F.linear(env[k], mod.get_parameter(w), mod.get_parameter(b) if b else None)
         elif op == "bmm":
-            v = torch.bmm(env[step[1]], getattr(mod, step[2]))
+            v = torch.bmm(env[step[1]], mod.get_parameter(step[2]))
         elif op == "scores":
             v = env[step[1]] @ env[step[2]].transpose(-2, -1)
+        elif op == "bscores":
+            v = torch.bmm(env[step[1]], env[step[2]].transpose(1, 2))
         elif op == "amatmul":
             v = env[step[1]] @ env[step[2]]
         elif op == "binp":
             _, o, k, w, swap = step
-            a, b = env[k], getattr(mod, w)
-            v = binop[o](b, a) if swap else binop[o](a, b)
+            a, b = env[k], mod.get_parameter(w)
+            v = a / torch.exp(b) if o == "div" else binop[o](b, a) if swap else binop[o](a, b)
         elif op == "bina":
             v = binop[step[1]](env[step[2]], env[step[3]])
         elif op == "scalar":
@@ -535,15 +584,21 @@ class ProgXIdx(_Base):
         return run_steps(self, self.prog, x, idx)
 
 
-def make(seed: int):
-    p = Gen(seed).build()
-    model = ProgXIdx(p) if "idx" in p.inputs else ProgX(p)
-    g = torch.Generator().manual_seed(10_000 + seed)
+def make_args(p: Program, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
     args = [torch.randn(p.shape(p.inputs["x"]), generator=g) * 0.5]
     if "idx" in p.inputs:
         v = p.embeddings["emb"][0]
         args.append(torch.randint(0, p.sizes[v], p.shape(p.inputs["idx"]), generator=g))
-    return p, model, tuple(args)
+    return tuple(args)
+
+
+def make(seed: int):
+    """(program, model, args). Plans are captured with other inputs of the same shapes
+    (``make_args(p, seed + 20_000)``): nothing of the example inputs may leak into a plan."""
+    p = Gen(seed).build()
+    model = ProgXIdx(p) if "idx" in p.inputs else ProgX(p)
+    return p, model, make_args(p, 10_000 + seed)
 
 
 def program_source(p: Program) -> str:
@@ -589,6 +644,22 @@ def _axes(v) -> tuple:
     return () if v is None else (v,) if isinstance(v, str) else tuple(v)
 
 
+def predict_units(p: Program, mesh: dict, layout: dict) -> dict:
+    """Sharding a dim on an axis splits its leading atoms: the unit of a name on an axis is the
+    shortest prefix of its atoms whose size the axes so far (in the layout's order) divide. A
+    tensor dim is sharded on the axis when its atoms start with a unit of the axis."""
+    units = {a: [] for a in mesh}
+    for key, v in layout.items():
+        atoms, degree = p.leaves((key,)), 1
+        for a in _axes(v):
+            degree *= mesh[a]
+            k = 1
+            while math.prod(p.sizes[x] for x in atoms[:k]) % degree:
+                k += 1
+            units[a].append(atoms[:k])
+    return units
+
+
 def predict(p: Program, mesh: dict, layout: dict):
     """(kind, details) the library must raise, or (None, None) for a valid layout."""
     names = set(p.names())
@@ -605,17 +676,7 @@ def predict(p: Program, mesh: dict, layout: dict):
             degree *= mesh[a]
             if p.sizes[key] % degree:
                 return "divisibility", key
-    # Sharding a dim on an axis splits its leading atoms: the unit of a name on an axis is the
-    # shortest prefix of its atoms whose size the axes so far (in the layout's order) divide.
-    units = {a: [] for a in mesh}
-    for key, v in layout.items():
-        atoms, degree = p.leaves((key,)), 1
-        for a in _axes(v):
-            degree *= mesh[a]
-            k = 1
-            while math.prod(p.sizes[x] for x in atoms[:k]) % degree:
-                k += 1
-            units[a].append(atoms[:k])
+    units = predict_units(p, mesh, layout)
     conflicts = []
     for dims in p.checked:
         for a, us in units.items():
@@ -627,6 +688,12 @@ def predict(p: Program, mesh: dict, layout: dict):
     return None, None
 
 
+def in_mesh_order(mesh: dict, layout: dict) -> bool:
+    order = list(mesh)
+    return all(list(_axes(v)) == sorted(_axes(v), key=order.index) for v in layout.values()
+               if all(a in order for a in _axes(v)))
+
+
 def sharded_anything(layout: dict) -> bool:
     return any(_axes(v) for v in layout.values())
 
@@ -634,7 +701,8 @@ def sharded_anything(layout: dict) -> bool:
 # =========================================================================== running a case
 
 RESULTS: dict = {}  # seed -> list of outcomes ("planned" or "rejected:<kind>")
-KNOWN_BUGS = {}  # filled below
+NOISE_RESCUES = [0]  # comparisons that needed the float64 reference
+COLLECTIVE_KINDS: Counter = Counter()  # "phase kind" of the collectives in planned cases
 
 
 def reference(model, args):
@@ -646,25 +714,60 @@ def reference(model, args):
     return tuple(o.detach() for o in out), grads
 
 
-def close(actual, expected, what):
-    """assert_close(rtol=1e-5, atol=1e-6), the atol relative to the tensor's scale: a gradient
+class Reference:
+    """Single-device outputs and gradients in float32, and (only when needed) in float64."""
+
+    def __init__(self, model, args):
+        self.model, self.args = model, args
+        self.out, self.grads = reference(model, args)
+        self._f64 = None
+
+    def f64(self):
+        if self._f64 is None:
+            m = copy.deepcopy(self.model).double()
+            a = tuple(t.double() if t.is_floating_point() else t for t in self.args)
+            self._f64 = reference(m, a)
+        return self._f64
+
+
+def close(actual, expected, what, exact=None):
+    """assert_close(rtol=1e-5, atol=1e-6), the atol relative to the tensor's scale (a gradient
     element that cancels to ~0 in a tensor of magnitude 10 carries float32 rounding of ~1e-6
-    on one device already (measured against float64)."""
+    on one device already). Where that fails, the float64 reference (``exact()``) decides: the
+    sharded result may be at most 10x as far from it as the single-device float32 result is
+    (ill-conditioned programs, e.g. softmax of large scores, amplify summation order); every
+    real bug seen so far is off by orders of magnitude more."""
     scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{what}: {m}")
+    try:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{what}: {m}")
+    except AssertionError:
+        if exact is None:
+            raise
+        e64 = exact()
+        err = (actual.double() - e64).abs().max().item()
+        noise = (expected.double() - e64).abs().max().item()
+        if actual.shape != expected.shape or not err <= 10 * noise + 1e-7 * scale:
+            raise
+        NOISE_RESCUES[0] += 1
 
 
-def check_case(p, model, args, ref, mesh_axes, layout) -> str:
+def check_case(p, model, args, ref, mesh_axes, layout, case_info) -> str:
     """Plan one layout and check it; returns the outcome, raises AssertionError on a mismatch."""
     expected, detail = predict(p, mesh_axes, layout)
     mesh = Mesh(dict(mesh_axes))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", autoshard.UnsupportedOpWarning)
-            plan = autoshard.autoshard(model, args, mesh=mesh, dims=p.dims_arg(), layout=layout)
+            plan = autoshard.autoshard(model, make_args(p, p.seed + 20_000), mesh=mesh, dims=p.dims_arg(),
+                                       layout=layout)
     except LayoutError as e:
         msg = str(e)
         kind = kind_of(msg)
+        if kind is None and "would reorder blocks" in msg and not in_mesh_order(mesh_axes, layout):
+            # Axes listed against mesh order, e.g. ("b", "a"): resolve_layout accepts them (and
+            # computes units in the listed order while blocks nest in mesh order); the rewrite
+            # refuses them only when a reshape splits the dim (a quirk, noted at BUG_SIGNATURES).
+            return "rejected:axes_not_in_mesh_order"
         assert kind is not None, f"LayoutError of no documented kind: {msg}"
         assert expected is not None, f"valid layout rejected ({kind}): {msg}"
         assert kind == expected, f"expected a {expected} rejection ({detail}), got: {msg}"
@@ -673,17 +776,25 @@ def check_case(p, model, args, ref, mesh_axes, layout) -> str:
                           r"'([^']+)' \(dim \d+\)", msg)
             assert m, msg
             axis, n1, n2 = m.groups()
-            on = {n for n, v in layout.items() if axis in _axes(v)}
-            for n in (n1.split("*")[0], n2.split("*")[0]):
-                assert n in on or n not in p.names(), (on, msg)  # names of atoms nobody named are inferred
             assert any(a == axis for a, _ in detail), (detail, msg)
+            for n in (n1, n2):
+                parts = n.split("*")
+                if all(part in p.names() for part in parts):  # names of atoms nobody named are inferred
+                    atoms = p.leaves(tuple(parts))
+                    assert any(atoms[:len(u)] == u for u in predict_units(p, mesh_axes, layout)[axis]), (n, msg)
+            if n1 == n2:  # one logical dim twice in one tensor (q @ k^T): a legitimate rejection
+                return "rejected:two_dims (one dim twice)"
         elif kind == "divisibility":
             assert f"dim {detail!r} has size {p.sizes[detail]}" in msg, msg
         elif kind in ("unknown_axis", "unknown_dim"):
             assert repr(detail) in msg, msg
         return f"rejected:{kind}"
     assert expected is None, f"expected a {expected} rejection ({detail}), but it planned:\n{plan}"
-    ref_out, ref_grads = ref
+    for name, v in layout.items():
+        assert plan.layout[name] == _axes(v), (name, plan.layout)
+    case_info["signatures"] = bug_signatures(plan)
+    COLLECTIVE_KINDS.update(f"{c.phase} {c.kind}" for c in plan.collectives)
+    ref_out, ref_grads = ref.out, ref.grads
     assert {c.kind for c in plan.collectives} <= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     for c in plan.collectives:
         assert c.phase in ("forward", "backward") and set(c.axes) <= set(mesh_axes) and c.why
@@ -692,13 +803,13 @@ def check_case(p, model, args, ref, mesh_axes, layout) -> str:
     out = plan.simulate(*args)
     assert len(out) == len(ref_out)
     for k, (o, r) in enumerate(zip(out, ref_out)):
-        close(o, r, f"simulate output {k}")
+        close(o, r, f"simulate output {k}", lambda: ref.f64()[0][k])
     out, grads = plan.simulate_grads(*args)
     for k, (o, r) in enumerate(zip(out, ref_out)):
-        close(o, r, f"simulate_grads output {k}")
+        close(o, r, f"simulate_grads output {k}", lambda: ref.f64()[0][k])
     assert set(ref_grads) <= set(grads), (set(ref_grads), set(grads))
     for name, g in ref_grads.items():
-        close(grads[name], g, f"grad of {name}")
+        close(grads[name], g, f"grad of {name}", lambda: ref.f64()[1][name])
     return "planned"
 
 
@@ -710,25 +821,71 @@ def layouts_for(seed: int, p: Program):
 def run_program(seed: int):
     """Every layout of program ``seed``: (outcomes, failures, known-bug failures)."""
     p, model, args = make(seed)
-    ref = reference(model, args)
+    ref = Reference(model, args)
     outcomes, failures, known = [], [], []
     for i, (mesh_axes, layout) in enumerate(layouts_for(seed, p)):
         try:
-            outcomes.append(check_case(p, model, args, ref, mesh_axes, layout))
+            info = {}
+            outcomes.append(check_case(p, model, args, ref, mesh_axes, layout, info))
         except Exception as e:  # noqa: BLE001 - every failure is reported with its case
-            bug = known_bug(p, mesh_axes, layout, e)
+            # A numeric mismatch in a plan that shows a bug's signature is named after the bug.
+            sigs = info.get("signatures", set()) if isinstance(e, AssertionError) and "not close" in str(e) else set()
             text = f"layout #{i} on {mesh_axes}: {layout}\n  {type(e).__name__}: {e}"
-            (known if bug else failures).append((bug, text))
-            outcomes.append(f"known_bug:{bug}" if bug else "FAILED")
+            if sigs:
+                text += "\n  the plan shows the signature of: " + "; ".join(f"{b} ({BUG_SIGNATURES[b]})" for b in sorted(sigs))
+            if sigs and sigs <= KNOWN_BUGS:
+                bug = ", ".join(sorted(sigs))
+                known.append((bug, text))
+                outcomes.append(f"known_bug:{bug}")
+            else:
+                failures.append((None, text))
+                outcomes.append("FAILED")
     RESULTS[seed] = outcomes
     return p, outcomes, failures, known
 
 
-def known_bug(p, mesh_axes, layout, exc) -> str | None:
-    return None
+# Library bugs this test found. A plan that shows a bug's signature and gets a wrong result
+# fails with the bug named; bugs listed in KNOWN_BUGS (none at present) xfail instead, until
+# they are fixed. Signature -> minimal reproducer.
+BUG_SIGNATURES = {
+    # Fixed in 34fe494: add.Tensor / sub.Tensor with a Python scalar let a Partial value through,
+    # so the scalar was added once per rank.
+    "scalar-add-on-partial": "(x @ W + 1.0).sum(), dims {'x': 'b k', 'W': 'k n'}, layout {'k': 'x'} on Mesh({'x': 2})",
+    # Fixed in 34fe494: linear let a Partial input through but added the replicated bias on
+    # every rank.
+    "bias-on-partial-passthrough": "F.linear(x @ W1, W2, b2).sum(), layout {'k': 'x'} (k the contracted dim of "
+                                   "x @ W1) on Mesh({'x': 2})",
+}
+KNOWN_BUGS: set = set()  # signatures of open bugs: their cases xfail
+# Also found, not a wrong result: layout {"n": ("b", "a")} on Mesh({"a": 2, "b": 2}) plans like
+# ("a", "b") unless a reshape splits n, where the rewrite raises "would reorder blocks"; with
+# ("a", "b") the same program plans. resolve_layout could reject or reorder such axes upfront.
 
 
-@pytest.mark.parametrize("seed", range(N_PROGRAMS), ids=lambda s: f"seed_{s:03d}")
+def bug_signatures(plan) -> set:
+    """Which known-bug patterns the plan contains (read from its placements)."""
+    aten = torch.ops.aten
+    places = plan.program.placements
+    found = set()
+    for node in plan.captured.graph.nodes:
+        if node.op != "call_function" or node.name not in places:
+            continue
+        out = places[node.name][0]
+        partial = [i for i, o in enumerate(out) if isinstance(o, Partial)]
+        if not partial:
+            continue
+        if node.target in (aten.add.Tensor, aten.sub.Tensor) and \
+                any(not isinstance(a, torch.fx.Node) for a in node.args[:2]):
+            found.add("scalar-add-on-partial")
+        bias = {aten.linear.default: (0, 2), aten.addmm.default: (1, 0), aten.baddbmm.default: (1, 0)}.get(node.target)
+        if bias and len(node.args) > max(bias) and isinstance(node.args[bias[1]], torch.fx.Node):
+            x = node.args[bias[0]]
+            if x.name in places and any(isinstance(places[x.name][0][i], Partial) for i in partial):
+                found.add("bias-on-partial-passthrough")
+    return found
+
+
+@pytest.mark.parametrize("seed", range(N_PROGRAMS), ids=lambda s: f"seed_{s:0{len(str(N_PROGRAMS - 1))}d}")
 def test_random_program(seed):
     p, outcomes, failures, known = run_program(seed)
     if failures:
@@ -749,10 +906,14 @@ def test_summary():
     total = sum(counts.values())
     print(f"\nproperty test: {len(RESULTS)} programs, {total} (program, layout) cases")
     for k, n in sorted(counts.items()):
-        print(f"  {k:28s} {n}")
+        print(f"  {k:50s} {n}")
+    print(f"comparisons settled by the float64 reference (float32 noise): {NOISE_RESCUES[0]}")
+    print("collectives in the plans: " + ", ".join(f"{k} x{n}" for k, n in sorted(COLLECTIVE_KINDS.items())))
+    assert counts["FAILED"] == 0, "some cases failed: see the seed_* tests"
     assert total >= 200
     assert counts["planned"] >= 100, counts
-    assert counts["rejected:two_dims"] > 0 and counts["rejected:divisibility"] > 0, counts
+    assert counts["rejected:two_dims"] + counts["rejected:two_dims (one dim twice)"] > 0, counts
+    assert counts["rejected:divisibility"] > 0, counts
 
 
 if __name__ == "__main__":

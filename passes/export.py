@@ -1,0 +1,613 @@
+"""Export: write a plan out as a directory that ``torchrun`` runs on real machines.
+
+``export_plan(plan, path, args)`` (what :meth:`autoshard.Plan.export` calls) writes::
+
+    path/
+      program.py     the per-rank program as Python, generated from the rewritten FX graph;
+                     a comment above every collective names its module and why it is there
+      plan.json      mesh, layout, every input's owner per mesh axis, collectives, cost
+      run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K]
+      weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap)
+      inputs.pt      the example inputs (when given)
+      reference.pt   outputs, gradients and training losses of the unsharded model (when given)
+
+The directory appears only when everything is written (it is assembled next to ``path`` and
+renamed at the end), so a failed export never leaves something that looks runnable.
+
+Example::
+
+    >>> plan.export("out/llama_dp2_tp2", args)          # doctest: +SKIP
+    $ torchrun --nproc-per-node=4 out/llama_dp2_tp2/run.py --check
+
+The exported directory needs the installed autoshard runtime (the collectives and
+``DistributedBackend``), not the planner.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import fx
+from torch.fx.graph import _custom_builtins
+from torch.utils import _pytree as pytree
+
+from autoshard.ownership import Partial, Replicate, Shard, describe, local_shape
+from autoshard.runtime import collectives as C
+
+from .dims import module_of, source_line
+
+FORMAT = "autoshard-export"
+VERSION = 1
+PROGRAM, PLAN_JSON, RUNNER = "program.py", "plan.json", "run.py"
+WEIGHTS, INPUTS, REFERENCE = "weights.pt", "inputs.pt", "reference.pt"
+# References (a copy of the model run forward, backward and a few optimizer steps) are made at
+# export only for models up to this size; bigger ones are exported without --check data.
+REFERENCE_LIMIT_BYTES = 2 << 30
+
+
+class ExportError(ValueError):
+    """The plan cannot be exported as asked (missing weights, meta model without a checkpoint, ...)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# placements as strings: "S(0)", "R", "P", one per mesh axis
+# ------------------------------------------------------------------------------------------------
+
+def placement_to_str(place) -> list:
+    return [str(o) for o in place]
+
+
+def placement_from_str(items) -> tuple:
+    out = []
+    for s in items:
+        m = re.fullmatch(r"S\((\d+)\)", s)
+        if m:
+            out.append(Shard(int(m.group(1))))
+        elif s == "R":
+            out.append(Replicate())
+        elif s == "P":
+            out.append(Partial())
+        else:
+            raise ValueError(f"unknown ownership {s!r} (expected 'S(d)', 'R' or 'P')")
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# program.py: FX code generation with a comment above every collective
+# ------------------------------------------------------------------------------------------------
+
+class _Literal:
+    """An argument printed as a bare name in generated code (FX prints unknown objects by repr)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+class _ProgramCodeGen(fx.graph.CodeGen):
+    """FX's code generation, with collectives imported by their own names and a ``forward``
+    whose parameters (one per line) say what each one is and which block a rank holds."""
+
+    def __init__(self, arg_comments: list, names: dict):
+        super().__init__()
+        self.arg_comments = arg_comments
+        self.names = names  # object -> the global name it should have
+
+    def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
+        for obj, name in self.names.items():
+            namespace.create_name(name, obj)  # claims the name before any node can take it
+        return super()._gen_python_code(nodes, root_module, namespace, **kwargs)
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
+        if not free_vars:
+            return "def forward():"
+        width = max(len(v) for v in free_vars) + 1
+        lines = ["def forward("]
+        for var, comment in zip(free_vars, self.arg_comments):
+            lines.append(f"    {(var + ','):<{width}}  # {comment}" if comment else f"    {var},")
+        lines.append(f"){maybe_return_annotation}:")
+        return "\n".join(lines)
+
+
+def _collective_comment(node: fx.Node, width: int = 96) -> list:
+    info = node.meta.get("autoshard", {})
+    op = node.target.__name__
+    axis = next((a for a in node.args if isinstance(a, str)), "?")
+    fwd, bwd = C.ADJOINTS[op] if op in C.ADJOINTS else ("?", "?")
+    where = info.get("where") or "<root>"
+    head = f"{op} on {axis} [#{info.get('tag', '?')}] (forward: {fwd}; backward: {bwd}) — {where}: "
+    text = head + (info.get("why") or "")
+    return textwrap.wrap(text, width=width, initial_indent="# ", subsequent_indent="#     ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def _arg_comment(inp, place, mesh) -> str:
+    if inp is None:
+        return ""
+    val_shape = inp.get("shape")
+    if val_shape is None:
+        return f"{inp['target']}: {inp.get('value')!r} at export (not a tensor)"
+    what = inp["target"] if inp["kind"] == "user" else f"{inp['kind']} {inp['target']}"
+    owner = describe(place, mesh.names)
+    loc = tuple(local_shape(val_shape, place, mesh))
+    shape = tuple(val_shape)
+    return f"{what} {list(shape)} {owner}" + (f" -> local {list(loc)}" if loc != shape else "")
+
+
+def generate_program(plan, inputs_meta: list) -> str:
+    """The per-rank program of ``plan`` as a standalone Python module (source text)."""
+    gm = plan.graph_module
+    graph = fx.Graph()
+    val_map: dict = {}
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    device = _Literal("DEVICE")
+
+    def swap_device(a):
+        return device if isinstance(a, torch.device) else a
+
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, swap_device)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap_device)
+    collective_fns = {fn: fn.__name__ for fn in C.COLLECTIVES.values()}
+    by_name = {m["name"]: m for m in inputs_meta}
+    place_by_name = {m["name"]: placement_from_str(m["placement"]) for m in inputs_meta if m.get("placement")}
+    comments = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            m = by_name.get(node.name)
+            comments.append(_arg_comment(m, place_by_name.get(node.name), plan.mesh) if m else "")
+    graph.set_codegen(_ProgramCodeGen(comments, collective_fns))
+    code = graph.python_code("self")
+    nodes = list(graph.nodes)
+    lines = code.src.split("\n")
+    start = next(i for i, l in enumerate(lines) if l.startswith("def forward("))
+    body, seen, last_module = [], set(), None
+    for i, line in enumerate(lines):
+        if i < start:
+            continue
+        idx = code._lineno_map.get(i - start) if code._lineno_map else None
+        node = nodes[idx] if idx is not None and idx < len(nodes) else None
+        indent = line[: len(line) - len(line.lstrip())]
+        if node is not None and node.op == "call_function" and node not in seen:
+            seen.add(node)
+            if node.target in collective_fns:
+                body.extend(indent + c for c in _collective_comment(node))
+            else:
+                mod = module_of(node)
+                if mod != last_module:
+                    last_module = mod
+                    where = source_line(node)
+                    body.append(f"{indent}# {mod or '<root>'}" + (f" ({where})" if where else ""))
+        body.append(line)
+    src = "\n".join(body).rstrip() + "\n"
+    src = re.sub(r"\btorch\.ops\.aten\.", "aten.", src)
+    imports = _imports(code.globals, src, collective_fns)
+    return _program_header(plan) + imports + "\n\n" + src
+
+
+def _imports(globals_: dict, src: str, collective_fns: dict) -> str:
+    used = lambda name: re.search(rf"(?<![\w.]){re.escape(name)}\b", src) is not None  # noqa: E731
+    lines = ["import torch"]
+    coll = sorted(n for fn, n in collective_fns.items() if n in globals_ and globals_[n] is fn and used(n))
+    others = []
+    for name, obj in sorted(globals_.items()):
+        if name in ("torch", "device") or name in coll or not used(name):
+            continue
+        if name in _custom_builtins:
+            others.append(_custom_builtins[name].import_str)
+        elif getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None):
+            mod, qual = obj.__module__, obj.__qualname__
+            if mod == "_operator":
+                mod = "operator"
+            others.append(f"from {mod} import {qual}" + (f" as {name}" if name != qual else ""))
+        else:
+            raise ExportError(f"the program refers to {obj!r} as {name!r}, which cannot be imported by name")
+    if coll:
+        lines.append("from autoshard.runtime.collectives import " + ", ".join(coll))
+    lines.extend(others)
+    lines += ["", "aten = torch.ops.aten",
+              "# Tensors the program creates (arange, zeros, ...) go here; run.py sets this rank's device.",
+              'DEVICE = torch.device("cpu")']
+    return "\n".join(lines) + "\n"
+
+
+def _program_header(plan) -> str:
+    mesh = plan.mesh
+    lay = ", ".join(f"{k} -> {'+'.join(v)}" for k, v in plan.layout.items() if v) or "everything replicated"
+    counts: dict = {}
+    for c in plan.collectives:
+        key = f"{c.phase} {c.kind} on {','.join(c.axes)}"
+        counts[key] = counts.get(key, 0) + 1
+    summary = "\n".join(f"  {v:3d} x {k}" for k, v in sorted(counts.items())) or "  none"
+    buckets = getattr(plan.program, "buckets", None)
+    if buckets:
+        n = sum(len(names) for _, names in buckets)
+        summary += (f"\nThe data-parallel gradient sum of {n} replicated parameters is not in this file: run.py\n"
+                    f"attaches {len(buckets)} gradient bucket(s) whose all-reduces overlap backward (plan.json).")
+    return (f'"""Per-rank program of an autoshard plan on {mesh} ({mesh.size} ranks).\n\n'
+            f"Generated by autoshard from the model's torch.export graph. Every rank runs this same\n"
+            f"function on its own blocks of the parameters and inputs (who owns what is listed next\n"
+            f"to each argument and in plan.json); the autoshard collectives move data between ranks,\n"
+            f"and each one's backward is its adjoint, so autograd through this function is exact.\n"
+            f"A comment above every collective says which module needs it and why.\n\n"
+            f"Layout: {lay}\n"
+            f"Collectives (forward calls in this file; backward ones run inside autograd):\n{summary}\n\n"
+            f"Run it with run.py (torchrun), which sets up the process groups and the rank context.\n"
+            f'"""\n')
+
+
+# ------------------------------------------------------------------------------------------------
+# plan.json
+# ------------------------------------------------------------------------------------------------
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {(k if isinstance(k, str) else "/".join(map(str, k)) if isinstance(k, tuple) else str(k)): _jsonable(v)
+                for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, torch.Tensor):
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
+
+
+def _dtype_str(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _int_bound(plan, node_name: str, example) -> Optional[int]:
+    """Exclusive upper bound for synthetic values of an integer input: the example's max + 1,
+    else the rows of the embedding table it indexes."""
+    if isinstance(example, torch.Tensor) and example.numel() and not example.is_meta:
+        return int(example.max().item()) + 1
+    for node in plan.captured.graph.nodes:
+        if node.op == "placeholder" and node.name == node_name:
+            for user in node.users:
+                if user.target == torch.ops.aten.embedding.default:
+                    w = user.args[0].meta.get("val")
+                    if isinstance(w, torch.Tensor):
+                        return int(w.shape[0])
+    return None
+
+
+def _placeholders(plan):
+    """(placeholder name, kind, index into captured.inputs) of the per-rank program, in order."""
+    ph = getattr(plan.program, "placeholders", None)
+    if ph:
+        return list(ph)
+    return [(inp.name, "input", i) for i, inp in enumerate(plan.captured.inputs)]
+
+
+def _inputs_meta(plan, user_examples: Optional[list]) -> list:
+    """One entry per argument of the per-rank program: what it is, its global shape, and how
+    each rank holds it (``placement`` as stored; for parameters also where it is used and, with
+    ZeRO, how it is stored between uses)."""
+    prog, mesh = plan.program, plan.mesh
+    meta = []
+    users = iter(user_examples) if user_examples is not None else None
+    nodes = {n.name: n for n in plan.captured.graph.nodes if n.op == "placeholder"}
+    storage = getattr(prog, "storage", None) or {}
+    uses = getattr(prog, "use_placements", None) or {}
+    zero, axes = getattr(plan, "zero_stage", 0) or 0, list(getattr(plan, "data_axes", None) or [])
+    try:
+        from autoshard.training import slice_dim_for
+    except ImportError:  # pragma: no cover - a library without training plans
+        slice_dim_for = None
+    for name, kind, index in _placeholders(plan):
+        inp = plan.captured.inputs[index]
+        place = prog.input_placements[index]
+        val = nodes[inp.name].meta.get("val") if inp.name in nodes else None
+        entry = {"name": name, "kind": inp.kind, "target": inp.target, "trainable": bool(inp.trainable)}
+        if kind == "full":
+            # ZeRO-2: the persistent full copy of a parameter, held in its use placement
+            place = uses[inp.name]
+            entry.update(role="full", of=inp.name)
+        example = next(users) if (users is not None and kind == "input" and inp.kind == "user") else None
+        if isinstance(val, torch.Tensor):
+            entry.update(shape=list(val.shape), dtype=_dtype_str(val.dtype), placement=placement_to_str(place),
+                         owner=describe(place, mesh.names), local_shape=list(local_shape(val.shape, place, mesh)))
+            if kind == "input" and inp.kind == "parameter":
+                use = uses.get(inp.name)
+                if use is not None and tuple(use) != tuple(place):
+                    entry["use_placement"] = placement_to_str(use)
+                st = storage.get(inp.name)
+                if st is not None:
+                    entry["use_placement"] = placement_to_str(use)
+                    entry["storage"] = {"mode": st.mode, "axis": st.axis, "dim": st.dim, "stage": st.stage,
+                                        "reshard": bool(st.reshard)}
+                if zero == 1 and axes and inp.trainable and slice_dim_for is not None:
+                    d = slice_dim_for(uses.get(inp.name, place), val.shape, mesh, axes[0])
+                    if d is not None:
+                        entry["zero1"] = {"axis": axes[0], "dim": d}
+            if inp.kind == "user" and not val.dtype.is_floating_point and val.dtype != torch.bool:
+                entry["high"] = _int_bound(plan, inp.name, example)
+        else:
+            entry.update(shape=None, value=_jsonable(example) if example is not None else None)
+        meta.append(entry)
+    return meta
+
+
+def _grad_buckets(plan):
+    """Data-parallel gradient buckets of a training plan (the sync the program leaves to hooks)."""
+    buckets = getattr(plan.program, "buckets", None)
+    axes = getattr(plan, "data_axes", None)
+    if not buckets or not axes:
+        return None
+    return {"axis": axes[0], "buckets": [{"tag": tag, "params": list(names)} for tag, names in buckets]}
+
+
+def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, reference) -> dict:
+    import autoshard
+
+    out_meta = []
+    outs = plan.graph_module.graph.find_nodes(op="output")[0].args[0]
+    for place, o in zip(plan.program.output_placements, outs):
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        out_meta.append({"placement": placement_to_str(place) if place is not None else None,
+                         "local_shape": list(v.shape) if isinstance(v, torch.Tensor) else None,
+                         "dtype": _dtype_str(v.dtype) if isinstance(v, torch.Tensor) else None})
+    try:
+        out_spec = pytree.treespec_dumps(plan.captured.out_spec)
+    except Exception:  # noqa: BLE001 - a custom output type: the flat outputs still run
+        out_spec = None
+    try:
+        cost = _jsonable(plan.cost)
+    except Exception as e:  # noqa: BLE001 - the cost model is optional for running
+        cost = {"error": f"{type(e).__name__}: {e}"}
+    zero = getattr(plan, "zero_stage", None)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "autoshard_version": getattr(autoshard, "__version__", "0.1.0"),
+        "torch_version": torch.__version__,
+        "model": type(plan.model).__name__,
+        "mesh": dict(plan.mesh.axes),
+        "world_size": plan.mesh.size,
+        "layout": {k: list(v) for k, v in plan.layout.items()},
+        "train": bool(plan.train),
+        "zero_stage": zero,
+        "data_axes": list(getattr(plan, "data_axes", None) or []),
+        "program": PROGRAM,
+        "inputs": inputs_meta,
+        "outputs": out_meta,
+        "out_spec": out_spec,
+        "loss_output": plan.loss_index(),
+        "aliases": dict(plan.captured.aliases),
+        "reshard_tags": sorted(getattr(plan.program, "reshard_tags", ()) or ()),
+        "grad_buckets": _grad_buckets(plan),
+        "weights": {"file": weights_file, "checkpoint": checkpoint},
+        "example_inputs": INPUTS if has_inputs else None,
+        "reference": reference,
+        "collectives": [_jsonable(c) for c in plan.collectives],
+        "cost": cost,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# references: the unsharded model's outputs, gradients and a few training steps
+# ------------------------------------------------------------------------------------------------
+
+def make_reference(plan, args, kwargs, *, steps: int = 2, lr: float = 1e-3) -> dict:
+    """Outputs and gradients of the unsharded model (a copy of it) on ``args``, and its losses
+    over ``steps`` AdamW steps on that batch. The loss is the output run.py seeds backward with
+    (``plan.loss_index()``), summed if it is not a scalar."""
+    model = copy.deepcopy(plan.model)
+    model.zero_grad(set_to_none=True)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    trainable = [i.target for i in plan.captured.inputs if i.kind == "parameter" and i.trainable]
+    k = plan.loss_index()
+    opt = torch.optim.AdamW([params[t] for t in trainable], lr=lr)
+    outputs, grads, losses = None, None, []
+    for step in range(max(steps, 1)):
+        flat = pytree.tree_leaves(model(*args, **(kwargs or {})))
+        loss = flat[k]
+        loss.sum().backward()
+        losses.append(loss.detach().double().sum().item())
+        if step == 0:
+            outputs = [o.detach().clone() if isinstance(o, torch.Tensor) else o for o in flat]
+            grads = {t: (params[t].grad.detach().clone() if params[t].grad is not None
+                         else torch.zeros_like(params[t])) for t in trainable}
+        if steps:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"outputs": outputs, "grads": grads, "losses": losses[:steps], "optimizer": "adamw", "lr": lr}
+
+
+# ------------------------------------------------------------------------------------------------
+# the export itself
+# ------------------------------------------------------------------------------------------------
+
+def _state_bytes(plan) -> int:
+    return sum(t.numel() * t.element_size() for t in plan.captured.state.values() if isinstance(t, torch.Tensor))
+
+
+def _check_checkpoint(path: Path, plan, inputs_meta) -> list:
+    """Names the program needs that the checkpoint lacks (aliases of tied weights accepted)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"cannot read checkpoint {path}: {e} (hint: it must be a state dict saved "
+                          f"with torch.save, loadable with weights_only=True)") from e
+    if not isinstance(state, dict):
+        raise ExportError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+    reverse: dict = {}
+    for alias, kept in plan.captured.aliases.items():
+        reverse.setdefault(kept, []).append(alias)
+    missing = []
+    for m in inputs_meta:
+        if m["kind"] == "parameter":
+            names = [m["target"]] + reverse.get(m["target"], [])
+            hit = next((n for n in names if n in state), None)
+            if hit is None:
+                missing.append(m["target"])
+            elif list(state[hit].shape) != m["shape"]:
+                raise ExportError(f"checkpoint {path}: {hit} has shape {list(state[hit].shape)}, the model "
+                                  f"has {m['shape']}")
+    return missing
+
+
+def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: Optional[bool] = None,
+                reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False) -> Path:
+    """Write ``plan`` to the directory ``path`` (see the module docstring); returns its path.
+
+    - ``args``/``kwargs``: example inputs, saved for ``run.py`` and used for references; without
+      them run.py needs ``--synthetic`` (random inputs of the planned shapes) or ``--inputs``.
+    - ``weights``: None exports the model's parameters and buffers to ``weights.pt``; a path
+      names a checkpoint (a state dict by parameter FQN, loadable with ``weights_only=True``)
+      that run.py slices instead (buffers it lacks are still exported).
+    - ``reference``: save the unsharded model's outputs, gradients and ``reference_steps``
+      AdamW(lr) losses for ``run.py --check``; default: when inputs are given and the model is
+      real and under 2 GiB.
+    - ``overwrite``: replace an existing directory; otherwise a non-empty ``path`` is an error.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not overwrite:
+            raise ExportError(f"{path} exists and is not empty (hint: choose a new directory, or replace it with overwrite=True / --force)")
+    if args is None and kwargs is None:
+        args = getattr(plan, "example_args", None)
+        kwargs = getattr(plan, "example_kwargs", None)
+    has_inputs = args is not None or kwargs is not None
+    flat_user = plan.captured.flatten_args(args or (), kwargs or {}) if has_inputs else None
+    meta_model = any(isinstance(t, torch.Tensor) and t.is_meta for t in plan.captured.state.values())
+    if flat_user is not None and any(isinstance(t, torch.Tensor) and t.is_meta for t in flat_user):
+        flat_user, has_inputs, args, kwargs = None, False, None, None  # shapes only; nothing to save
+    checkpoint = None
+    if weights is not None:
+        checkpoint = Path(weights).resolve()
+        if not checkpoint.is_file():
+            raise ExportError(f"weights checkpoint {weights} does not exist")
+    elif meta_model:
+        raise ExportError("the model is on the meta device, so there are no weights to export "
+                          "(hint: pass weights=<checkpoint path>, a state dict saved with torch.save)")
+    if reference is None:
+        reference = has_inputs and not meta_model and _state_bytes(plan) <= REFERENCE_LIMIT_BYTES
+    if reference and (not has_inputs or meta_model):
+        raise ExportError("references need example inputs and a model with real weights")
+
+    inputs_meta = _inputs_meta(plan, flat_user)
+    if checkpoint is not None:
+        missing = _check_checkpoint(checkpoint, plan, inputs_meta)
+        if missing:
+            raise ExportError(f"checkpoint {checkpoint} has no tensor for {len(missing)} parameter(s), e.g. "
+                              f"{missing[:3]} (hint: keys must be the model's parameter names)")
+    program_src = generate_program(plan, inputs_meta)
+    compile(program_src, str(path / PROGRAM), "exec")  # a codegen bug fails here, not under torchrun
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        (tmp / PROGRAM).write_text(program_src)
+        shutil.copyfile(Path(__file__).with_name("export_runner.py"), tmp / RUNNER)
+        state = {}
+        for m in inputs_meta:
+            if m["kind"] == "user" or m.get("role") == "full":
+                continue
+            if checkpoint is not None and m["kind"] == "parameter":
+                continue
+            t = plan.captured.state[m["target"]]
+            if isinstance(t, torch.Tensor):
+                state[m["target"]] = t.detach().contiguous()
+        torch.save(state, tmp / WEIGHTS)
+        if has_inputs:
+            torch.save({"inputs": [t.detach() if isinstance(t, torch.Tensor) else t for t in flat_user]},
+                       tmp / INPUTS)
+        ref_meta = None
+        if reference:
+            ref = make_reference(plan, args or (), kwargs or {}, steps=reference_steps, lr=lr)
+            torch.save(ref, tmp / REFERENCE)
+            ref_meta = {"file": REFERENCE, "grads": bool(ref["grads"]), "optimizer": "adamw", "lr": lr,
+                        "steps": len(ref["losses"])}
+        doc = plan_json(plan, inputs_meta, weights_file=WEIGHTS,
+                        checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
+                        reference=ref_meta)
+        (tmp / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# running an export: torchrun locally, or every rank as a thread of this process
+# ------------------------------------------------------------------------------------------------
+
+def torchrun_command(path, nproc: int, *run_args: str) -> list:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N path/run.py ...``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(Path(path) / RUNNER), *run_args]
+
+
+def run_torchrun(path, nproc: Optional[int] = None, *run_args: str, timeout: Optional[float] = None,
+                 capture: bool = False) -> subprocess.CompletedProcess:
+    """Launch ``run.py`` of an export on ``nproc`` local processes (default: the mesh size) with
+    torchrun (gloo on CPU). One intra-op thread per process. Returns the finished process."""
+    if nproc is None:
+        nproc = json.loads((Path(path) / PLAN_JSON).read_text())["world_size"]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(torchrun_command(path, nproc, *run_args), env=env, timeout=timeout,
+                          capture_output=capture, text=True)
+
+
+def load_program(path):
+    """The ``program`` module of an export directory (``forward`` is the per-rank program)."""
+    from .export_runner import load_program as _load
+
+    return _load(Path(path))
+
+
+def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float = 1e-3, check: bool = False,
+                    inputs=None) -> list:
+    """Run an exported directory on a simulated mesh (ranks as threads of this process), loading
+    the program, weights and inputs exactly as run.py does: forward only, or ``steps`` training
+    steps. Returns one dict per rank: ``outputs`` (flat, local; of the first step), ``grads``
+    ({FQN: local gradient} of the first step), ``losses``, and with ``check`` the comparison
+    with the saved references (``ok``, ``worst_out``, ``worst_grad``, ``problems``)."""
+    from autoshard.mesh import Mesh
+    from autoshard.runtime import run_simulated
+
+    from . import export_runner as R
+
+    path = Path(path)
+    doc = R.read_plan(path)
+    program = R.load_program(path)
+    mesh = Mesh(doc["mesh"])
+    user = inputs if inputs is not None else R.load_inputs(path, doc, synthetic=False)
+    weights = R.open_weights(path, doc, None)
+    ref = torch.load(path / doc["reference"]["file"], weights_only=True) if check else None
+
+    def rank_fn(rank):
+        rp = R.RankProgram(doc, mesh, rank, program, weights, torch.device("cpu"), train=steps > 0)
+        return R.rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref)
+
+    return run_simulated(mesh, rank_fn)

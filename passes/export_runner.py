@@ -1,0 +1,638 @@
+"""run.py of an autoshard export: run the per-rank program under torchrun.
+
+This file is copied verbatim into every exported directory as ``run.py`` (and importable as
+``autoshard.passes.export_runner``, which tests and ``simulate_export`` use). Usage::
+
+    torchrun --nproc-per-node=4 out/run.py                 # one forward on the saved inputs
+    torchrun --nproc-per-node=4 out/run.py --check         # ... compared with the unsharded model
+    torchrun --nproc-per-node=4 out/run.py --steps 2 --check   # 2 training steps (AdamW)
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-endpoint=HOST:29500 out/run.py --synthetic
+
+Each process: reads plan.json and checks everything it can before joining the process group
+(world size against the mesh, files, shapes: a clear one-line error and exit code 2, never a
+hang); initializes torch.distributed (nccl when CUDA is available, else gloo), builds the
+DeviceMesh, loads only its own blocks of the weights (the weights file is memory-mapped, so
+slicing reads only those pages), and runs ``program.forward`` inside a rank context. Rank 0
+prints per-step loss and time. ``--check`` compares every rank's outputs (and, with
+``--steps``, gradients of the first step and the losses of every step) with the references of
+the unsharded model saved at export, and prints "check passed" only if every rank passed.
+
+It needs the installed autoshard runtime (collectives, DistributedBackend), not the planner.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from autoshard.mesh import Mesh
+from autoshard.ownership import Partial, Replicate, Shard, local_piece
+
+FORMAT, VERSION = "autoshard-export", 1
+EXIT_USAGE = 2
+
+
+class RunError(Exception):
+    """A problem found before running (bad files, wrong world size): one line, exit code 2."""
+
+
+# ------------------------------------------------------------------------------------------------
+# reading the export
+# ------------------------------------------------------------------------------------------------
+
+def parse_placement(items, n_axes: int, what: str) -> tuple:
+    if not isinstance(items, list) or len(items) != n_axes:
+        raise RunError(f"plan.json is corrupted: {what} has owners {items!r}, expected one per mesh axis "
+                       f"({n_axes}) (hint: export the plan again)")
+    out = []
+    for s in items:
+        m = re.fullmatch(r"S\((\d+)\)", s) if isinstance(s, str) else None
+        if m:
+            out.append(Shard(int(m.group(1))))
+        elif s == "R":
+            out.append(Replicate())
+        elif s == "P":
+            out.append(Partial())
+        else:
+            raise RunError(f"plan.json is corrupted: {what} has an unknown owner {s!r} (hint: export the plan again)")
+    return tuple(out)
+
+
+def read_plan(root: Path) -> dict:
+    """plan.json, validated enough that nothing later fails on its structure."""
+    path = root / "plan.json"
+    if not path.is_file():
+        raise RunError(f"{path} is missing (hint: this directory is not a complete autoshard export; export again)")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is corrupted: {e} (hint: export the plan again)") from None
+    bad = lambda why: RunError(f"{path} is corrupted: {why} (hint: export the plan again)")  # noqa: E731
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise bad("it is not an autoshard export description")
+    if doc.get("version") != VERSION:
+        raise RunError(f"{path} has export format version {doc.get('version')!r}; this run.py reads version "
+                       f"{VERSION} (hint: export again with this autoshard)")
+    for key, typ in (("mesh", dict), ("world_size", int), ("inputs", list), ("outputs", list),
+                     ("weights", dict), ("loss_output", int)):
+        if not isinstance(doc.get(key), typ):
+            raise bad(f"{key!r} is missing or not a {typ.__name__}")
+    try:
+        mesh = Mesh(doc["mesh"])
+    except (ValueError, TypeError) as e:
+        raise bad(f"mesh: {e}") from None
+    if mesh.size != doc["world_size"]:
+        raise bad(f"mesh {mesh} has {mesh.size} ranks but world_size says {doc['world_size']}")
+    n = len(mesh.names)
+    names = {m.get("name") for m in doc["inputs"] if isinstance(m, dict)}
+    for k, m in enumerate(doc["inputs"]):
+        if not isinstance(m, dict) or not {"name", "kind", "target"} <= set(m):
+            raise bad(f"input {k} lacks name/kind/target")
+        if m.get("role", "input") not in ("input", "full"):
+            raise bad(f"input {m['target']!r} has an unknown role {m.get('role')!r}")
+        if m.get("role") == "full" and m.get("of") not in names:
+            raise bad(f"input {m['name']!r} is the full copy of an unknown parameter {m.get('of')!r}")
+        if m.get("use_placement") is not None:
+            m["_use"] = parse_placement(m["use_placement"], n, f"input {m['target']!r}")
+        if m.get("storage") is not None and not ({"mode", "axis", "dim"} <= set(m["storage"]) and
+                                                 m["storage"]["axis"] in mesh.axes):
+            raise bad(f"input {m['target']!r} has storage {m['storage']!r}")
+        if (m.get("storage") or {}).get("mode") == "persistent" and "_use" not in m:
+            raise bad(f"input {m['target']!r} is stored with a full copy but has no use_placement")
+        if m.get("shape") is not None:
+            m["_place"] = parse_placement(m.get("placement"), n, f"input {m['target']!r}")
+            if not isinstance(m["shape"], list) or not all(isinstance(s, int) for s in m["shape"]):
+                raise bad(f"input {m['target']!r} has shape {m['shape']!r}")
+            try:
+                m["_dtype"] = getattr(torch, m["dtype"])
+            except (AttributeError, TypeError):
+                raise bad(f"input {m['target']!r} has dtype {m.get('dtype')!r}") from None
+    for k, o in enumerate(doc["outputs"]):
+        if not isinstance(o, dict):
+            raise bad(f"output {k} is not an object")
+        o["_place"] = parse_placement(o["placement"], n, f"output {k}") if o.get("placement") is not None else None
+    gb = doc.get("grad_buckets")
+    if gb is not None:
+        trainable = {m["name"] for m in doc["inputs"] if m["kind"] == "parameter" and m.get("trainable")}
+        if not (isinstance(gb, dict) and gb.get("axis") in mesh.axes and isinstance(gb.get("buckets"), list)
+                and all(isinstance(b, dict) and set(b.get("params", [None])) <= trainable for b in gb["buckets"])):
+            raise bad("grad_buckets does not name the mesh's axes and trainable parameters")
+    if not 0 <= doc["loss_output"] < max(len(doc["outputs"]), 1):
+        raise bad(f"loss_output {doc['loss_output']} is not an output")
+    return doc
+
+
+def load_program(root: Path):
+    path = root / "program.py"
+    if not path.is_file():
+        raise RunError(f"{path} is missing (hint: export the plan again)")
+    spec = importlib.util.spec_from_file_location(f"autoshard_program_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - a broken program file is a usage error here
+        raise RunError(f"{path} does not load: {type(e).__name__}: {e} (hint: export the plan again)") from None
+    if not callable(getattr(module, "forward", None)):
+        raise RunError(f"{path} has no forward function (hint: export the plan again)")
+    return module
+
+
+_HINTS = {"weights file": "export the plan again", "weights checkpoint": "check the --weights path",
+          "inputs file": "check the --inputs path, or run with --synthetic",
+          "reference file": "export again with example inputs, or run without --check"}
+
+
+def _load(path: Path, what: str):
+    if not path.is_file():
+        raise RunError(f"{what} {path} is missing (hint: {_HINTS.get(what, 'export the plan again')})")
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise RunError(f"{what} {path} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]} "
+                       f"(hint: a file written by torch.save, loadable with weights_only=True)") from None
+
+
+class Weights:
+    """Tensors by FQN from the weights file (and a checkpoint, for parameters), memory-mapped:
+    a rank's slice of a tensor reads only the pages of that slice."""
+
+    def __init__(self, root: Path, doc: dict, checkpoint=None):
+        sources = []
+        ckpt = checkpoint or doc["weights"].get("checkpoint")
+        if ckpt:
+            state = _load(Path(ckpt), "weights checkpoint")
+            if not isinstance(state, dict):
+                raise RunError(f"weights checkpoint {ckpt} holds a {type(state).__name__}, not a state dict")
+            sources.append(state)
+        state = _load(root / doc["weights"].get("file", "weights.pt"), "weights file")
+        if not isinstance(state, dict):
+            raise RunError(f"weights file {root / doc['weights'].get('file')} holds a {type(state).__name__}, "
+                           f"not a state dict (hint: export the plan again)")
+        sources.append(state)
+        self.sources = sources
+        self.aliases: dict = {}
+        for alias, kept in (doc.get("aliases") or {}).items():
+            self.aliases.setdefault(kept, []).append(alias)
+        missing, wrong = [], []
+        for m in doc["inputs"]:
+            if m["kind"] == "user" or m.get("role", "input") != "input" or m.get("shape") is None:
+                continue
+            t = self.find(m["target"])
+            if t is None:
+                missing.append(m["target"])
+            elif list(t.shape) != m["shape"]:
+                wrong.append(f"{m['target']} is {list(t.shape)}, the plan has {m['shape']}")
+        if missing:
+            raise RunError(f"the weights have no tensor for {len(missing)} name(s), e.g. {missing[:3]} "
+                           f"(hint: pass --weights with a state dict keyed by parameter name)")
+        if wrong:
+            raise RunError(f"weights of the wrong shape: {'; '.join(wrong[:3])} (hint: this export was planned "
+                           f"for another model configuration)")
+
+    def find(self, fqn: str):
+        for name in [fqn] + self.aliases.get(fqn, []):
+            for s in self.sources:
+                if name in s:
+                    return s[name]
+        return None
+
+
+def open_weights(root: Path, doc: dict, checkpoint=None) -> Weights:
+    return Weights(root, doc, checkpoint)
+
+
+def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int = 0) -> list:
+    """The flat user inputs (global values): saved at export, from ``path``, or random."""
+    users = [m for m in doc["inputs"] if m["kind"] == "user"]
+    if synthetic:
+        gen = torch.Generator().manual_seed(seed)  # every rank draws the same global inputs
+        out = []
+        for m in users:
+            if m.get("shape") is None:
+                out.append(m.get("value"))
+            elif m["_dtype"].is_floating_point:
+                out.append(torch.randn(m["shape"], generator=gen).to(m["_dtype"]))
+            elif m["_dtype"] == torch.bool:
+                out.append(torch.randint(0, 2, m["shape"], generator=gen).bool())
+            else:
+                out.append(torch.randint(0, max(int(m.get("high") or 2), 1), m["shape"], generator=gen,
+                                         dtype=m["_dtype"]))
+        return out
+    what = "inputs file"
+    if path is None:
+        if not doc.get("example_inputs"):
+            raise RunError("this export has no saved inputs (hint: run with --synthetic, or --inputs FILE)")
+        path, what = root / doc["example_inputs"], "saved inputs file"
+    data = _load(Path(path), what)
+    flat = data.get("inputs") if isinstance(data, dict) else list(data) if isinstance(data, (list, tuple)) else None
+    if flat is None or len(flat) != len(users):
+        raise RunError(f"inputs file {path} must hold a list of {len(users)} inputs "
+                       f"({', '.join(m['target'] for m in users)})")
+    for m, x in zip(users, flat):
+        if m.get("shape") is None:
+            continue
+        if not isinstance(x, torch.Tensor) or list(x.shape) != m["shape"]:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise RunError(f"input {m['target']} is {got}; the program was planned for shape {m['shape']} "
+                           f"(hint: plan and export again for this shape)")
+    return list(flat)
+
+
+class RankProgram:
+    """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
+    ZeRO shard), and the optimizer step that keeps them consistent across ranks.
+
+    ZeRO stages follow the plan (see ``autoshard/training.py``): 3 stores parameters sharded
+    (the program gathers them; gradients arrive as blocks), 2 keeps a full copy next to the
+    trainable shard and refreshes it after each step, 1 steps a slice of each whole parameter
+    and gathers the updated slices. Optimizers here are elementwise (AdamW, SGD), so a step on a
+    slice equals that slice of the step on the whole tensor.
+    """
+
+    def __init__(self, doc: dict, mesh: Mesh, rank: int, program, weights: Weights, device, train: bool):
+        self.doc, self.mesh, self.rank, self.program, self.device = doc, mesh, rank, program, device
+        self.slots = []  # per forward argument: ("user", k, placement) | ("value", v) | ("full", name)
+        self.params: dict = {}  # FQN -> this rank's trainable parameter piece
+        self.refresh = []  # ZeRO-2: (shard, full copy, axis, dim)
+        self.zero1 = {}  # ZeRO-1: FQN -> (axis, dim)
+        self.reshard_tags = frozenset(doc.get("reshard_tags") or ())
+        fulls, by_name, k = {}, {}, 0
+        for m in doc["inputs"]:
+            if m["kind"] == "user":
+                self.slots.append(("user", k, m.get("_place")))
+                k += 1
+                continue
+            if m.get("role", "input") == "full":
+                self.slots.append(("full", m["of"]))
+                continue
+            src = weights.find(m["target"]) if m.get("shape") is not None else None
+            if not isinstance(src, torch.Tensor):
+                self.slots.append(("value", src))
+                continue
+            st = m.get("storage") or {}
+            full = None
+            if st.get("mode") == "persistent":
+                full = local_piece(src, m["_use"], mesh, rank).to(device=device, copy=True)
+                fulls[m["name"]] = full
+                n = full.shape[st["dim"]] // mesh.axes[st["axis"]]
+                piece = full.narrow(st["dim"], mesh.coords(rank)[st["axis"]] * n, n)  # a view of the copy
+            else:
+                piece = local_piece(src, m["_place"], mesh, rank).to(device=device, copy=True)
+            if m["kind"] == "parameter" and train and m.get("trainable"):
+                piece = torch.nn.Parameter(piece)
+                self.params[m["target"]] = piece
+                by_name[m["name"]] = piece
+                if full is not None:
+                    self.refresh.append((piece, full, st["axis"], st["dim"]))
+                if m.get("zero1"):
+                    self.zero1[m["target"]] = (m["zero1"]["axis"], m["zero1"]["dim"])
+            self.slots.append(("value", piece))
+        self.slots = [("value", fulls[s[1]]) if s[0] == "full" else s for s in self.slots]
+        self.opt, self.slices = None, []
+        buckets = doc.get("grad_buckets")
+        if train and buckets and buckets.get("buckets"):
+            # Data-parallel gradient sync of replicated parameters is not in the program: it runs
+            # as bucketed all-reduces started from gradient hooks, overlapping backward.
+            from autoshard.runtime.buckets import GradBuckets
+
+            names = [b["params"] for b in buckets["buckets"]]
+            GradBuckets({n: by_name[n] for ns in names for n in ns}, names, buckets["axis"],
+                        tags=[b["tag"] for b in buckets["buckets"]]).attach()
+
+    def arguments(self, user: list) -> list:
+        out = []
+        for slot in self.slots:
+            if slot[0] == "user":
+                v = user[slot[1]]
+                out.append(local_piece(v, slot[2], self.mesh, self.rank).to(device=self.device, copy=True)
+                           if isinstance(v, torch.Tensor) else v)
+            else:
+                out.append(slot[1])
+        return out
+
+    def forward(self, user: list) -> list:
+        """The program's flat local outputs (call inside the rank context)."""
+        args = self.arguments(user)
+        if not self.reshard_tags or not torch.is_grad_enabled():
+            return list(self.program.forward(*args))
+        from autoshard.runtime.collectives import reshard_after_forward
+        from autoshard.runtime.context import current
+
+        current("run.py").reshard_tags = self.reshard_tags  # ZeRO-3: gather again in backward
+        with reshard_after_forward():
+            return list(self.program.forward(*args))
+
+    def make_optimizer(self, kind: str, lr: float):
+        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
+        params = []
+        for fqn, p in self.params.items():
+            if fqn in self.zero1:
+                axis, d = self.zero1[fqn]
+                n = p.shape[d] // self.mesh.axes[axis]
+                start = self.mesh.coords(self.rank)[axis] * n
+                s = torch.nn.Parameter(p.detach().narrow(d, start, n))  # a view: stepping it updates p
+                self.slices.append((s, p, axis, d, start))
+                params.append(s)
+            else:
+                params.append(p)
+        self.opt = cls(params, lr=lr)
+
+    @torch.no_grad()
+    def step(self):
+        from autoshard.runtime.collectives import all_gather
+        from autoshard.runtime.context import trace_phase
+
+        for s, p, _, d, start in self.slices:
+            s.grad = None if p.grad is None else p.grad.narrow(d, start, s.shape[d])
+        self.opt.step()
+        with trace_phase("optimizer"):
+            for s, p, axis, d, _ in self.slices:
+                p.copy_(all_gather(s, axis, d))
+            for shard, full, axis, d in self.refresh:
+                full.copy_(all_gather(shard, axis, d))
+        self.opt.zero_grad(set_to_none=True)
+        for p in self.params.values():
+            p.grad = None
+
+
+def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adamw", lr: float = 1e-3,
+              ref=None, rtol: float = 1e-4, atol: float = 1e-5, say=lambda msg: None) -> dict:
+    """Forward only (``steps=0``) or ``steps`` training steps of one rank, inside its rank
+    context; compares with ``ref`` (outputs, and first-step gradients) when given."""
+    doc, mesh = rp.doc, rp.mesh
+    res = dict(ok=True, worst_out=0.0, worst_grad=0.0, problems=[], losses=[], outputs=None, grads=None)
+    sync = torch.cuda.synchronize if rp.device.type == "cuda" else (lambda: None)
+    if not steps:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            outs = rp.forward(user)
+        sync()
+        dt = time.perf_counter() - t0
+        say(f"forward  time {dt * 1e3:.1f} ms  outputs: {describe_outputs(outs, doc, mesh)}")
+        res["outputs"] = outs
+        if ref is not None:
+            res["ok"], res["worst_out"], res["problems"] = compare_outputs(doc, mesh, rp.rank, outs, ref, rtol, atol)
+        return res
+    k_loss = doc["loss_output"]
+    loss_place = doc["outputs"][k_loss]["_place"]
+    rp.make_optimizer(optimizer, lr)
+    for step in range(steps):
+        t0 = time.perf_counter()
+        outs = rp.forward(user)
+        loss = outs[k_loss]
+        # ones of the local loss shape: right for every owner (see autoshard's Plan.run_rank)
+        loss.backward(torch.ones_like(loss))
+        if step == 0:
+            res["outputs"] = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
+            res["grads"] = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                            for k, p in rp.params.items()}
+            if ref is not None:
+                o_ok, res["worst_out"], p1 = compare_outputs(doc, mesh, rp.rank, outs, ref, rtol, atol)
+                g_ok, res["worst_grad"], p2 = compare_grads(doc, mesh, rp.rank, rp.params, ref, rtol, atol)
+                res["ok"], res["problems"] = o_ok and g_ok, p1 + p2
+        rp.step()
+        sync()
+        dt = time.perf_counter() - t0
+        value = global_sum(loss, loss_place, mesh)
+        res["losses"].append(value)
+        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms")
+    return res
+
+
+def describe_outputs(outs, doc, mesh) -> str:
+    desc = []
+    for o, meta in zip(outs, doc["outputs"]):
+        if not isinstance(o, torch.Tensor):
+            desc.append(repr(o))
+        elif o.numel() == 1 and all(isinstance(p, Replicate) for p in meta["_place"]):
+            desc.append(f"{o.item():.6f}")
+        else:
+            gshape = list(o.shape)
+            for p, axis in zip(meta["_place"], mesh.names):
+                if isinstance(p, Shard):
+                    gshape[p.dim] *= mesh.axes[axis]
+            desc.append(f"tensor {gshape} (local {list(o.shape)})")
+    return ", ".join(desc)
+
+
+# ------------------------------------------------------------------------------------------------
+# running under torchrun
+# ------------------------------------------------------------------------------------------------
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="run.py", description="Run an exported autoshard plan: torchrun --nproc-per-node=N run.py [options]")
+    p.add_argument("--check", action="store_true",
+                   help="compare outputs (and gradients and losses with --steps) with the unsharded model")
+    p.add_argument("--steps", type=int, default=0, help="training steps (forward, backward, optimizer); "
+                                                        "default: one forward only")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
+    p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")
+    p.add_argument("--weights", help="a checkpoint (state dict by parameter name) to take parameters from")
+    p.add_argument("--seed", type=int, default=0, help="seed of --synthetic inputs")
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda (nccl) when available, else cpu (gloo)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    return p
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def prepare(root: Path, args) -> dict:
+    """Everything that can fail without talking to other ranks; raises RunError."""
+    doc = read_plan(root)
+    mesh = Mesh(doc["mesh"])
+    world = _env_int("WORLD_SIZE", 1)
+    if world != mesh.size:
+        launched = "torchrun started" if "WORLD_SIZE" in os.environ else "run without torchrun, that is"
+        raise RunError(f"this program is planned for {mesh}, {mesh.size} ranks, but {launched} {world} "
+                       f"process{'es' if world != 1 else ''} (hint: torchrun --nproc-per-node={mesh.size} "
+                       f"{root / 'run.py'}, or with --nnodes, nodes x procs = {mesh.size})")
+    if args.steps < 0:
+        raise RunError("--steps must be >= 0")
+    if args.steps and not any(m["kind"] == "parameter" and m.get("trainable") for m in doc["inputs"]):
+        raise RunError("--steps trains parameters, but this program has no trainable ones")
+    if args.synthetic and args.inputs:
+        raise RunError("--synthetic and --inputs exclude each other")
+    program = load_program(root)
+    weights = open_weights(root, doc, args.weights)
+    user = load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs, seed=args.seed)
+    ref = None
+    if args.check:
+        if args.synthetic or args.inputs:
+            raise RunError("--check compares with references made from the saved example inputs "
+                           "(hint: drop --synthetic / --inputs)")
+        if args.weights:
+            raise RunError("--check compares with references made from the exported weights (hint: drop --weights)")
+        r = doc.get("reference")
+        if not r:
+            raise RunError("this export has no references to check against (hint: export with example inputs "
+                           "and reference=True; models over 2 GiB skip them)")
+        ref = _load(root / r["file"], "reference file")
+        if not isinstance(ref, dict) or "outputs" not in ref:
+            raise RunError(f"reference file {root / r['file']} is corrupted (hint: export the plan again)")
+    return dict(doc=doc, mesh=mesh, program=program, weights=weights, user=user, ref=ref)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _close(a, b, rtol, atol) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol)
+
+
+def compare_outputs(doc, mesh, rank, outs, ref, rtol, atol):
+    """(ok, max abs diff, problems) for this rank's outputs against its blocks of the references."""
+    ok, worst, problems = True, 0.0, []
+    for k, (o, meta, want) in enumerate(zip(outs, doc["outputs"], ref["outputs"])):
+        if not isinstance(o, torch.Tensor):
+            if o != want:
+                ok = False
+                problems.append(f"output {k}: {o!r} != {want!r}")
+            continue
+        piece = local_piece(want, meta["_place"], mesh, rank)
+        d = _max_diff(o.detach().cpu(), piece) if o.shape == piece.shape else float("inf")
+        worst = max(worst, d)
+        if not _close(o.detach().cpu(), piece, rtol, atol):
+            ok = False
+            problems.append(f"output {k}: max abs diff {d:.3g}")
+    return ok, worst, problems
+
+
+def compare_grads(doc, mesh, rank, params, ref, rtol, atol):
+    ok, worst, problems = True, 0.0, []
+    places = {m["target"]: m["_place"] for m in doc["inputs"]
+              if m["kind"] == "parameter" and "_place" in m and m.get("role", "input") == "input"}
+    for fqn, p in params.items():
+        want = ref["grads"].get(fqn)
+        if want is None:
+            continue
+        g = p.grad.detach().cpu() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+        piece = local_piece(want, places[fqn], mesh, rank)
+        d = _max_diff(g, piece) if g.shape == piece.shape else float("inf")
+        worst = max(worst, d)
+        if not _close(g, piece, rtol, atol):
+            ok = False
+            problems.append(f"gradient of {fqn}: max abs diff {d:.3g}")
+    return ok, worst, problems
+
+
+def global_sum(x: torch.Tensor, place, mesh: Mesh) -> float:
+    """Sum of a value's global tensor from this rank's block (summed over its sharding axes);
+    call inside the rank context."""
+    from autoshard.runtime.context import current
+
+    backend = current("global_sum").backend
+    s = x.detach().double().sum().reshape(1)
+    for o, axis in zip(place or (), mesh.names):
+        if isinstance(o, Shard):
+            s = backend.all_reduce(s, axis)
+    return s.item()
+
+
+def run(root: Path, args) -> int:
+    import torch.distributed as dist
+
+    from autoshard.runtime import DistributedBackend, rank_context
+
+    local_rank = _env_int("LOCAL_RANK", 0)
+    try:
+        ctx = prepare(root, args)
+    except RunError as e:
+        if local_rank == 0:  # one message per node, not one per process
+            print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    doc, mesh = ctx["doc"], ctx["mesh"]
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    ctx["program"].DEVICE = device
+    if "WORLD_SIZE" not in os.environ:  # `python run.py` on a one-rank mesh: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    say = _say if rank == 0 else (lambda msg: None)
+    try:
+        backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu")
+        train = args.steps > 0
+        zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
+        say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
+            f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
+            + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
+               if train else "forward only"))
+        with rank_context(mesh, rank, backend):
+            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+            res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
+        if ctx["ref"] is None:
+            return 0
+        flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        for msg in res["problems"][:5]:
+            print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
+        ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
+                                   mesh.size)
+        say(text)
+        return 0 if ok else 1
+    finally:
+        dist.destroy_process_group()
+
+
+def summarize_check(doc, ref, args, ok: bool, worst, losses, n_ranks):
+    """(passed, one line) for --check: outputs (and gradients) on every rank, and losses."""
+    train = args.steps > 0
+    what = "outputs" + (" and gradients" if train else "")
+    diff = f"max abs diff {worst[0]:.2e}" + (f" / {worst[1]:.2e}" if train else "")
+    loss_msg = ""
+    r = doc.get("reference") or {}
+    ref_losses = ref.get("losses") or []
+    if train and ref_losses and args.optimizer == r.get("optimizer") and args.lr == r.get("lr"):
+        n = min(len(ref_losses), len(losses))
+        ld = max(abs(a - b) for a, b in zip(losses[:n], ref_losses[:n]))
+        loss_ok = all(abs(a - b) <= args.atol + args.rtol * abs(b) for a, b in zip(losses[:n], ref_losses[:n]))
+        ok = ok and loss_ok
+        loss_msg = (f"; losses of {n} {args.optimizer} step{'s' if n != 1 else ''} "
+                    f"{'match' if loss_ok else 'DIFFER FROM'} single-device training (max abs diff {ld:.2e})")
+    elif train:
+        loss_msg = (f"; losses not checked (the references were made with {r.get('optimizer')} lr "
+                    f"{r.get('lr')})")
+    if ok:
+        return True, f"check passed: {what} equal the unsharded model's on all {n_ranks} ranks ({diff}){loss_msg}"
+    return False, f"CHECK FAILED: {what} differ from the unsharded model's ({diff}){loss_msg}"
+
+
+def main(argv=None, root=None) -> int:
+    args = _parser().parse_args(argv)
+    return run(Path(root) if root is not None else Path(__file__).resolve().parent, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(root=Path(__file__).resolve().parent))

@@ -1,0 +1,315 @@
+"""Export of plans for torchrun: the generated program, plan.json, weights, run.py.
+
+Fast tests run the exported directory on the simulated mesh (``simulate_export`` loads program,
+weights and inputs exactly as run.py does). Slow tests run it under real torchrun with 4 gloo
+processes and ``--check``, and check that wrong world sizes and broken files fail fast with a
+clear message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import autoshard  # noqa: E402
+from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.passes.export import ExportError, simulate_export, torchrun_command  # noqa: E402
+from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
+from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+
+DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, with_labels=True)
+TP4 = dict(mesh={"tp": 4}, layout={"heads": "tp", "ffn": "tp"}, with_labels=False)
+TORCHRUN_TIMEOUT = 120  # a hang is a failure
+
+
+def make_plan(config, **options):
+    model, args, dims = llama_tiny(with_labels=config["with_labels"])
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh(config["mesh"]), dims=dims,
+                               layout=config["layout"], **options)
+    return plan, args
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """{name: (plan, args, export dir)} for the tp=4 and dp=2 x tp=2 plans, and ZeRO-3 training."""
+    base = tmp_path_factory.mktemp("exports")
+    out = {}
+    for name, config, options in [("tp4", TP4, {}), ("dp_tp", DP_TP, {}),
+                                  ("zero3", DP_TP, dict(train=True, zero_stage=3, reshard_after_forward=True))]:
+        plan, args = make_plan(config, **options)
+        out[name] = (plan, args, plan.export(base / name, args))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the generated program
+# ------------------------------------------------------------------------------------------------
+
+CALL = re.compile(r"^\s+\w+ = (" + "|".join(ADJOINTS) + r")\((.*)tag = (\d+)\)")
+
+
+@pytest.mark.parametrize("name", ["tp4", "dp_tp", "zero3"])
+def test_every_collective_has_a_comment_naming_module_and_reason(exports, name):
+    plan, _, path = exports[name]
+    lines = (path / "program.py").read_text().splitlines()
+    by_tag = {c.tag: c for c in plan.collectives}
+    calls = 0
+    for i, line in enumerate(lines):
+        m = CALL.match(line)
+        if not m:
+            continue
+        calls += 1
+        op, tag = m.group(1), int(m.group(3))
+        j = i - 1
+        while lines[j].lstrip().startswith("#     "):  # the comment's continuation lines
+            j -= 1
+        head = lines[j].strip()
+        comment = " ".join(l.strip().lstrip("#").strip() for l in lines[j:i])
+        assert head.startswith(f"# {op} on "), f"line {i + 1}: no comment above {line.strip()!r}"
+        info = next(n.meta["autoshard"] for n in plan.graph_module.graph.nodes
+                    if n.meta.get("autoshard", {}).get("tag") == tag)
+        assert f"[#{tag}]" in comment and f"— {info['where'] or '<root>'}:" in comment
+        assert " ".join(info["why"].split()) in comment, f"tag {tag}: reason missing from {comment!r}"
+        fwd, bwd = ADJOINTS[op]
+        assert f"(forward: {fwd}; backward: {bwd})" in comment
+        assert any(c.why.removeprefix("adjoint: ") == info["why"] for c in plan.collectives if c.tag == tag) \
+            or tag not in by_tag
+    forward_calls = sum(1 for n in plan.graph_module.graph.nodes if n.meta.get("autoshard"))
+    assert calls == forward_calls > 0
+
+
+def test_program_is_a_plain_module_with_named_imports(exports):
+    plan, _, path = exports["dp_tp"]
+    src = (path / "program.py").read_text()
+    assert "from autoshard.runtime.collectives import all_reduce, mark_varying" in src
+    assert "aten = torch.ops.aten" in src and "torch.ops.aten." not in src
+    assert "autoshard_runtime_collectives" not in src and not re.search(r"^\s+self,", src, re.M)
+    # one parameter per program input, in placeholder order, each with its owner
+    header = src.split("def forward(\n")[1].split("\n):")[0].splitlines()
+    names = [l.split(",")[0].strip() for l in header]
+    assert names == [n.name for n in plan.graph_module.graph.nodes if n.op == "placeholder"]
+    assert "# parameter layers.0.mlp.down_proj.weight [32, 64] S(1)@tp -> local [32, 32]" in src
+    assert "# input_ids [4, 8] S(0)@dp -> local [2, 8]" in src
+    assert "device = DEVICE" in src  # created tensors follow the rank's device
+    compile(src, "program.py", "exec")
+
+
+@pytest.mark.parametrize("name", ["tp4", "dp_tp"])
+def test_exec_of_program_equals_simulate(exports, name):
+    plan, args, path = exports[name]
+    per_rank = simulate_export(path)
+    got = plan.assemble_outputs([r["outputs"] for r in per_rank])
+    want = plan.simulate(*args)
+    for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_plan_json_describes_mesh_owners_collectives(exports):
+    plan, _, path = exports["dp_tp"]
+    doc = json.loads((path / "plan.json").read_text())
+    assert doc["format"] == "autoshard-export" and doc["mesh"] == {"dp": 2, "tp": 2} and doc["world_size"] == 4
+    assert doc["layout"]["heads"] == ["tp"] and doc["layout"]["batch"] == ["dp"]
+    owners = {m["target"]: m.get("placement") for m in doc["inputs"]}
+    assert owners["layers.0.self_attn.q_proj.weight"] == ["R", "S(0)"]
+    assert owners["layers.0.self_attn.o_proj.weight"] == ["R", "S(1)"]
+    assert owners["input_ids"] == ["S(0)", "R"] and owners["norm.weight"] == ["R", "R"]
+    ids = next(m for m in doc["inputs"] if m["target"] == "input_ids")
+    assert ids["dtype"] == "int64" and ids["high"] <= 64
+    assert len(doc["collectives"]) == len(plan.collectives)
+    assert {"kind", "axes", "bytes", "phase", "where", "why", "tag"} <= set(doc["collectives"][0])
+    assert doc["cost"]  # whatever the cost model reports, serialized
+    assert doc["reference"]["grads"] and doc["reference"]["steps"] == 2
+    assert sorted(p.name for p in path.iterdir()) == ["inputs.pt", "plan.json", "program.py", "reference.pt",
+                                                     "run.py", "weights.pt"]
+
+
+# ------------------------------------------------------------------------------------------------
+# training plans and weights
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_exported_training_equals_simulate_train(tmp_path, zero_stage):
+    plan, args = make_plan(DP_TP, train=True, zero_stage=zero_stage)
+    path = plan.export(tmp_path / "out", args, reference_steps=3)
+    per_rank = simulate_export(path, steps=3, check=True)
+    losses, _ = plan.simulate_train([args] * 3, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    ref = torch.load(path / "reference.pt", weights_only=True)
+    for r in per_rank:
+        assert r["ok"], r["problems"]
+        assert r["losses"] == pytest.approx(losses, rel=1e-6)
+    assert ref["losses"] == pytest.approx(losses, rel=1e-5)  # single-device training
+
+
+def test_weights_from_a_checkpoint_with_tied_aliases(tmp_path):
+    model, args, dims = gpt2_tiny()
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=dims,
+                               layout={"heads": "tp", "ffn": "tp"})
+    assert plan.captured.aliases  # lm_head.weight is tied to wte.weight
+    ckpt = {k: v.clone() for k, v in model.state_dict().items() if k != "wte.weight"}  # only the alias
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    path = plan.export(tmp_path / "out", args, weights=tmp_path / "ckpt.pt")
+    saved = torch.load(path / "weights.pt", weights_only=True)
+    assert not any(k in saved for k in ckpt if k.endswith("weight") and "ln" not in k)  # parameters not copied
+    per_rank = simulate_export(path, check=True)
+    assert all(r["ok"] for r in per_rank)
+    del ckpt["h.0.mlp.c_fc.weight"]
+    torch.save(ckpt, tmp_path / "bad.pt")
+    with pytest.raises(ExportError, match="h.0.mlp.c_fc.weight"):
+        plan.export(tmp_path / "out2", args, weights=tmp_path / "bad.pt")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_export_writes_nothing_that_looks_valid_on_failure(tmp_path, monkeypatch):
+    plan, args = make_plan(TP4)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("keep")
+    with pytest.raises(ExportError, match="not empty"):
+        plan.export(tmp_path / "busy", args)
+    assert (tmp_path / "busy" / "x").read_text() == "keep"
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("autoshard.passes.export.make_reference", broken)
+    with pytest.raises(OSError, match="disk full"):
+        plan.export(tmp_path / "out", args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]  # no out/, no temporary leftovers
+    monkeypatch.undo()
+    plan.export(tmp_path / "busy", args, overwrite=True)
+    assert (tmp_path / "busy" / "plan.json").is_file() and not (tmp_path / "busy" / "x").exists()
+
+
+def test_meta_model_needs_a_checkpoint(tmp_path):
+    from examples.models import llama_8b_meta
+
+    model, args, dims = llama_8b_meta(num_layers=1, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_heads=4, num_kv_heads=2, batch=2, seq=8)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=dims,
+                               layout={"heads": "tp", "ffn": "tp"})
+    with pytest.raises(ExportError, match="meta device"):
+        plan.export(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# run.py's checks before any process group exists (in-process)
+# ------------------------------------------------------------------------------------------------
+
+def _args(*argv):
+    return R._parser().parse_args(list(argv))
+
+
+def test_world_size_mismatch_is_refused_before_init(exports, monkeypatch):
+    _, _, path = exports["dp_tp"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(R.RunError, match=r"Mesh\(dp=2, tp=2\), 4 ranks, but torchrun started 2 processes"):
+        R.prepare(path, _args("--check"))
+
+
+def test_broken_exports_are_refused(exports, tmp_path, monkeypatch):
+    import shutil
+
+    _, _, src = exports["dp_tp"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cases = {
+        "truncated": lambda d: (d / "plan.json").write_text((src / "plan.json").read_text()[:500]),
+        "version": lambda d: (d / "plan.json").write_text(
+            (src / "plan.json").read_text().replace('"version": 1', '"version": 99')),
+        "owner": lambda d: (d / "plan.json").write_text(
+            (src / "plan.json").read_text().replace('"S(1)"', '"X(1)"')),
+        "weights": lambda d: (d / "weights.pt").unlink(),
+        "weights_garbage": lambda d: (d / "weights.pt").write_bytes(b"not a zip file"),
+        "program": lambda d: (d / "program.py").write_text("def forward(:\n"),
+        "inputs": lambda d: (d / "inputs.pt").unlink(),
+    }
+    expect = {"truncated": "plan.json is corrupted", "version": "format version 99", "owner": r"unknown owner 'X\(1\)'",
+              "weights": "weights file .* is missing", "weights_garbage": "weights file .* cannot be read",
+              "program": "program.py does not load", "inputs": "saved inputs file .* is missing"}
+    for name, breaker in cases.items():
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        breaker(d)
+        with pytest.raises(R.RunError, match=expect[name]):
+            R.prepare(d, _args("--check"))
+
+
+def test_synthetic_inputs_follow_the_planned_shapes(exports, monkeypatch):
+    _, args, path = exports["dp_tp"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ctx = R.prepare(path, _args("--synthetic"))
+    ids, mask, labels = ctx["user"]
+    assert ids.shape == args[0].shape and ids.dtype == torch.int64 and 0 <= ids.min() and ids.max() < 64
+    assert mask is None and labels.shape == args[2].shape
+    with pytest.raises(R.RunError, match="--check compares with references"):
+        R.prepare(path, _args("--synthetic", "--check"))
+
+
+# ------------------------------------------------------------------------------------------------
+# under torchrun: 4 gloo processes
+# ------------------------------------------------------------------------------------------------
+
+def torchrun(path, nproc, *run_args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run(torchrun_command(path, nproc, *run_args), env=env, capture_output=True, text=True,
+                          timeout=TORCHRUN_TIMEOUT)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,run_args", [("tp4", ["--check"]), ("dp_tp", ["--check"]),
+                                           ("dp_tp", ["--check", "--steps", "2"]),
+                                           ("zero3", ["--check", "--steps", "2"])])
+def test_torchrun_check_passes(exports, name, run_args):
+    _, _, path = exports[name]
+    proc, _ = torchrun(path, 4, *run_args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("check passed") == 1, out  # printed by rank 0 only
+    if "--steps" in run_args:
+        assert re.search(r"step 1/2  loss 4\.39900\d  time [\d.]+ ms", out), out
+        assert re.search(r"step 2/2  loss [\d.]+  time", out) and "losses of 2 adamw steps match" in out
+        assert "outputs and gradients equal" in out
+    else:
+        assert "forward  time" in out
+
+
+@pytest.mark.slow
+def test_torchrun_failures_are_quick_and_clear(exports, tmp_path):
+    import shutil
+
+    _, _, src = exports["dp_tp"]
+    missing, corrupt = tmp_path / "missing", tmp_path / "corrupt"
+    shutil.copytree(src, missing)
+    (missing / "weights.pt").unlink()
+    shutil.copytree(src, corrupt)
+    (corrupt / "plan.json").write_text((src / "plan.json").read_text()[:1000])
+    for path, nproc, message in [(src, 2, "this program is planned for Mesh(dp=2, tp=2), 4 ranks, but torchrun started 2 processes"),
+                                 (missing, 4, "weights file"), (corrupt, 4, "plan.json is corrupted")]:
+        proc, seconds = torchrun(path, nproc, "--check")
+        assert proc.returncode != 0
+        assert re.search(r"^run\.py: error: .*" + re.escape(message), proc.stderr, re.M), proc.stderr
+        assert proc.stderr.count("run.py: error:") == 1  # once per node, not once per process
+        assert "check passed" not in proc.stdout and seconds < 60
+
+
+@pytest.mark.slow
+def test_quickstart_runs_end_to_end():
+    """README's first command: plan, simulate, export, torchrun on 4 gloo processes with --check."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
+                          text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check passed: sharded plan equals the unsharded model" in proc.stdout
+    assert "check passed: outputs and gradients equal the unsharded model's on all 4 ranks" in proc.stdout
