@@ -92,6 +92,8 @@ def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
                 raise LayoutError(f"layout[{key!r}] names mesh axis {a!r}; this mesh has axes {list(mesh.names)}")
         if len(set(axes)) != len(axes):
             raise LayoutError(f"layout[{key!r}] repeats a mesh axis: {axes}")
+        # Axes splitting one dim nest in mesh order (the first mesh axis is the major split).
+        axes = tuple(sorted(axes, key=mesh.names.index))
         matches = info.lookup(key)
         if not matches:
             known = sorted(n for n in info.names.values())

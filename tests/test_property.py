@@ -688,12 +688,6 @@ def predict(p: Program, mesh: dict, layout: dict):
     return None, None
 
 
-def in_mesh_order(mesh: dict, layout: dict) -> bool:
-    order = list(mesh)
-    return all(list(_axes(v)) == sorted(_axes(v), key=order.index) for v in layout.values()
-               if all(a in order for a in _axes(v)))
-
-
 def sharded_anything(layout: dict) -> bool:
     return any(_axes(v) for v in layout.values())
 
@@ -763,11 +757,6 @@ def check_case(p, model, args, ref, mesh_axes, layout, case_info) -> str:
     except LayoutError as e:
         msg = str(e)
         kind = kind_of(msg)
-        if kind is None and "would reorder blocks" in msg and not in_mesh_order(mesh_axes, layout):
-            # Axes listed against mesh order, e.g. ("b", "a"): resolve_layout accepts them (and
-            # computes units in the listed order while blocks nest in mesh order); the rewrite
-            # refuses them only when a reshape splits the dim (a quirk, noted at BUG_SIGNATURES).
-            return "rejected:axes_not_in_mesh_order"
         assert kind is not None, f"LayoutError of no documented kind: {msg}"
         assert expected is not None, f"valid layout rejected ({kind}): {msg}"
         assert kind == expected, f"expected a {expected} rejection ({detail}), got: {msg}"
@@ -791,7 +780,8 @@ def check_case(p, model, args, ref, mesh_axes, layout, case_info) -> str:
         return f"rejected:{kind}"
     assert expected is None, f"expected a {expected} rejection ({detail}), but it planned:\n{plan}"
     for name, v in layout.items():
-        assert plan.layout[name] == _axes(v), (name, plan.layout)
+        # axes that split one dim are reported (and nest) in mesh order
+        assert plan.layout[name] == tuple(sorted(_axes(v), key=list(mesh_axes).index)), (name, plan.layout)
     case_info["signatures"] = bug_signatures(plan)
     COLLECTIVE_KINDS.update(f"{c.phase} {c.kind}" for c in plan.collectives)
     ref_out, ref_grads = ref.out, ref.grads
@@ -857,9 +847,8 @@ BUG_SIGNATURES = {
                                    "x @ W1) on Mesh({'x': 2})",
 }
 KNOWN_BUGS: set = set()  # signatures of open bugs: their cases xfail
-# Also found, not a wrong result: layout {"n": ("b", "a")} on Mesh({"a": 2, "b": 2}) plans like
-# ("a", "b") unless a reshape splits n, where the rewrite raises "would reorder blocks"; with
-# ("a", "b") the same program plans. resolve_layout could reject or reorder such axes upfront.
+# Also found, now fixed: layout {"n": ("b", "a")} on Mesh({"a": 2, "b": 2}) was refused ("would
+# reorder blocks") when a reshape split n; resolve_layout now puts a dim's axes in mesh order.
 
 
 def bug_signatures(plan) -> set:
