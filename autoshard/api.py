@@ -24,31 +24,43 @@ from typing import Optional
 
 import torch
 
-from .mesh import Mesh
+from .mesh import AutoMesh, Mesh
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
-from autoshard.passes.spmd import LayoutError, input_placements, resolve_layout, rewrite
-from .training import bucket_collectives, choose_storage, data_axes, state_collectives
+from autoshard.passes.spmd import LayoutError, resolve_layout
+from .training import build_program
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
-              memory_limit=None, bucket_mb: float = 25.0, verbose: bool = False) -> Plan:
+              memory_limit=None, bucket_mb: float = 25.0, hardware=None, search: Optional[bool] = None,
+              verbose: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
     replicated parameters are all-reduced in buckets of ``bucket_mb`` MiB (0: one all-reduce per
-    parameter, inside backward), launched as they fill so they overlap the rest of backward."""
+    parameter, inside backward), launched as they fill so they overlap the rest of backward.
+
+    The layout search (``autoshard.cost.search``) runs when ``layout`` is None or only forbids
+    sharding (``{"batch": None}``), when ``mesh`` is ``Mesh.auto(n, axes)`` (every mesh shape
+    is tried), when ``memory_limit`` is given (bytes per device, or ``"80GB"``), or with
+    ``search=True`` (then ``layout`` entries are constraints and every other dim is open;
+    ``search=False`` never searches). It also picks ``zero_stage`` (and
+    ``reshard_after_forward``) for training when they are None. ``hardware``: a
+    ``cost.Hardware``, ``CostModel``, preset name (``"h100"``, ``"cpu-gloo"``) or calibrated JSON
+    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
         raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
     if reshard_after_forward is not None and zero_stage != 3:
         raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
-    if memory_limit is not None:
-        raise NotImplementedError("memory_limit needs the layout search, which is not supported yet")
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    memory_limit = parse_bytes(memory_limit)
+    meshes = mesh.meshes() if isinstance(mesh, AutoMesh) else None
+    if meshes is None:
+        mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    searching = _wants_search(layout, search, meshes, memory_limit)
     timings = {}
     t0 = time.perf_counter()
     cap = capture(model, args, kwargs)
@@ -62,30 +74,89 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     timings["dims"] = time.perf_counter() - t
     _progress(verbose, f"named dims in {timings['dims']:.2f}s")
 
+    # search (autoshard.cost): the layout, mesh shape and state sharding the cost model prefers
+    search_result, cost_model = None, None
+    if searching:
+        from autoshard.cost.model import resolve_cost_model
+        from autoshard.cost.search import plan_search
+
+        t = time.perf_counter()
+        cost_model = resolve_cost_model(hardware)
+        search_result = plan_search(
+            cap.graph, cap.inputs, info, meshes or [mesh], _constraints(layout, search, info),
+            train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
+            memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
+            display={i.name: i.target for i in cap.inputs})
+        mesh, layout = search_result.mesh, search_result.layout
+        if train and zero_stage is None:
+            zero_stage = search_result.zero_stage
+            reshard_after_forward = search_result.reshard_after_forward if zero_stage == 3 else None
+        timings["search"] = time.perf_counter() - t
+        _progress(verbose, f"searched {search_result.space_size} candidates ({search_result.evaluated} evaluated) in "
+                           f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
+
     t = time.perf_counter()
     resolved = resolve_layout(info, layout, mesh)
-    grad_inputs = {i.name for i in cap.inputs if i.kind == "parameter" and i.trainable}
     stage = zero_stage or 0
-    places = input_placements(cap.graph, info, resolved, mesh)
-    axes = data_axes([(places[i.name], mesh.names) for i in cap.inputs if i.kind == "user" and i.name in places])
-    if stage and not axes:
-        raise LayoutError(f"zero_stage={stage} shards training state over the data-parallel axis, but no mesh axis "
-                          f"splits an input: put the batch dim on a mesh axis in layout (e.g. {{'batch': 'dp'}})")
-    params = {n.name: n.meta["val"] for n in cap.graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
-    storage = choose_storage(params, places, mesh, axes[0], stage,
-                             True if reshard_after_forward is None else reshard_after_forward) if stage else {}
-    display = {i.name: i.target for i in cap.inputs}
-    bucketing = train and stage < 2 and axes and bucket_mb
-    program = rewrite(cap.graph, info, resolved, mesh, grad_inputs, display, storage,
-                      bucket_axis=axes[0] if bucketing else None,
-                      bucket_candidates=[n for n in params if n not in storage] if bucketing else ())
-    program.collectives += state_collectives(program, stage, axes, mesh, params, display)
-    program.collectives += bucket_collectives(program, axes[0] if bucketing else None, params, display,
-                                              int(bucket_mb * 2 ** 20) if bucketing else 0)
+    program, axes = build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
+                                  reshard=True if reshard_after_forward is None else reshard_after_forward,
+                                  bucket_mb=bucket_mb, display={i.name: i.target for i in cap.inputs})
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
-    return Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
+    plan = Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
                 train=train, timings=timings, zero_stage=stage, data_axes=axes)
+    # for plan.cost / plan.alternatives / plan.explain()
+    plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
+    return plan
+
+
+def _cost_model(hardware):
+    from autoshard.cost.model import resolve_cost_model
+    return resolve_cost_model(hardware)
+
+
+def _wants_search(layout, search, meshes, memory_limit) -> bool:
+    if search is not None:
+        if not search and (meshes is not None or memory_limit is not None):
+            raise ValueError("Mesh.auto and memory_limit need the search; do not pass search=False with them")
+        return bool(search)
+    only_forbids = layout is None or all(v is None or v == () for v in layout.values())
+    return only_forbids or meshes is not None or memory_limit is not None
+
+
+def _constraints(layout, search, info) -> dict:
+    """Search constraints from ``layout``: its entries are fixed. A layout that shards
+    something and was not given with ``search=True`` is complete: the dims it leaves out stay
+    whole (the search then only decides state sharding and checks memory)."""
+    layout = dict(layout or {})
+    shards = any(v not in (None, ()) for v in layout.values())
+    if shards and not search:
+        for name in set(info.names.values()):
+            layout.setdefault(name, None)
+    return layout
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_bytes(v) -> Optional[float]:
+    """``80e9``, ``"80GB"``, ``"80 GiB"`` -> bytes (None stays None).
+
+    >>> parse_bytes("80GB"), parse_bytes("1 GiB"), parse_bytes(None)
+    (80000000000.0, 1073741824.0, None)
+    """
+    if v is None:
+        return None
+    if isinstance(v, (int, float)):
+        if v <= 0:
+            raise ValueError(f"memory_limit must be positive, got {v!r}")
+        return float(v)
+    import re
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(v))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"memory_limit {v!r}: give bytes or a string such as '80GB' or '64GiB'")
+    return float(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 def _progress(verbose, msg):

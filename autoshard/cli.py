@@ -195,7 +195,12 @@ def _make_plan(ns):
     if ns.zero_stage is not None:
         options["zero_stage"] = ns.zero_stage
     if ns.memory_limit is not None:
-        options["memory_limit"] = ns.memory_limit
+        from autoshard.api import parse_bytes
+
+        try:
+            options["memory_limit"] = parse_bytes(ns.memory_limit)
+        except ValueError as e:
+            raise UsageError(str(e), "bytes per device, e.g. --memory-limit 80GB") from None
     plan = autoshard.autoshard(model, args, kwargs, mesh=mesh, dims=dims, layout=layout,
                                verbose=ns.verbose, **options)
     return plan, args, kwargs

@@ -98,3 +98,38 @@ class Mesh:
 
     def __repr__(self):
         return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self.axes.items()) + ")"
+
+    @staticmethod
+    def auto(n_devices: int, axes=("dp", "tp")) -> "AutoMesh":
+        """A mesh shape left to the search: pass it as ``mesh=`` and ``autoshard.autoshard``
+        tries every factorization of ``n_devices`` over ``axes`` (sizes in axis order, 1
+        allowed) and returns the best plan; ``plan.mesh`` is the chosen shape.
+
+        >>> [m.axes for m in Mesh.auto(4).meshes()]
+        [{'dp': 1, 'tp': 4}, {'dp': 2, 'tp': 2}, {'dp': 4, 'tp': 1}]
+        """
+        return AutoMesh(n_devices, tuple(axes))
+
+
+class AutoMesh:
+    """``Mesh.auto(n, axes)``: every mesh of ``n`` devices over ``axes``, for the search."""
+
+    def __init__(self, n_devices: int, axes: tuple):
+        if not isinstance(n_devices, int) or n_devices < 1:
+            raise ValueError(f"Mesh.auto needs a positive device count, got {n_devices!r}")
+        if not axes or len(set(axes)) != len(axes):
+            raise ValueError(f"Mesh.auto needs distinct axis names, got {axes!r}")
+        self.n_devices, self.axes = n_devices, tuple(axes)
+        self.meshes()  # validates the names
+
+    def meshes(self) -> list:
+        """One :class:`Mesh` per ordered factorization of the device count."""
+        from autoshard.cost.search import factorizations
+        return [Mesh(dict(zip(self.axes, f))) for f in factorizations(self.n_devices, len(self.axes))]
+
+    @property
+    def size(self) -> int:
+        return self.n_devices
+
+    def __repr__(self):
+        return f"Mesh.auto({self.n_devices}, axes={self.axes})"

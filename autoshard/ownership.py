@@ -10,6 +10,7 @@ Example::
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,20 @@ class Partial:
 
 R = Replicate()
 P = Partial()
+
+
+def parse(items) -> tuple:
+    """A placement from its strings, one per mesh axis: ``["S(0)", "R"]`` -> (Shard(0), R)."""
+    out = []
+    for s in items:
+        m = re.fullmatch(r"S\((\d+)\)", s) if isinstance(s, str) else None
+        if m:
+            out.append(Shard(int(m.group(1))))
+        elif s in ("R", "P"):
+            out.append(R if s == "R" else P)
+        else:
+            raise ValueError(f"unknown owner {s!r} (expected 'S(d)', 'R' or 'P')")
+    return tuple(out)
 
 
 def describe(place, axes) -> str:

@@ -21,7 +21,8 @@ from .mesh import Mesh
 from .ownership import Partial, Replicate, Shard, assemble, describe, local_piece, local_shape
 from .runtime import run_simulated
 from .runtime.context import current
-from .training import LocalModule, ShardedOptimizer, slice_dim_for
+from .training import (LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes,
+                       slice_dim_for)
 from autoshard.passes.dims import module_of
 
 
@@ -38,6 +39,7 @@ class Plan:
     last_trace: list = field(default_factory=list)  # per-rank CollectiveRecords of the last simulation
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
+    _rank_spec: object = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -56,21 +58,6 @@ class Plan:
     def graph_module(self) -> torch.fx.GraphModule:
         """The per-rank program (aten ops and autoshard collectives)."""
         return self.program.graph_module
-
-    @property
-    def cost(self) -> dict:
-        """Bytes each rank moves, by phase and axis, and the bytes of state it holds.
-        (Times come with the cost model.)"""
-        comm: dict = {}
-        for c in self.program.collectives:
-            key = (c.phase, c.axes[0])
-            comm[key] = comm.get(key, 0) + c.bytes
-        state = 0
-        for inp, place in zip(self.captured.inputs, self.program.input_placements):
-            if inp.kind != "user":
-                t = self.captured.state[inp.target]
-                state += torch.Size(local_shape(t.shape, place, self.mesh)).numel() * t.element_size()
-        return {"comm_bytes": comm, "state_bytes_per_rank": state}
 
     def placement_of(self, name: str):
         """Placement (tuple per mesh axis) of a parameter FQN or a graph value name."""
@@ -102,8 +89,8 @@ class Plan:
         local = self.build(rank)
         if not grads:
             with torch.no_grad():
-                return local.run_flat(args, kwargs)
-        outs = local.run_flat(args, kwargs)
+                return local.run_flat(self.captured.flatten_args(args, kwargs))
+        outs = local.run_flat(self.captured.flatten_args(args, kwargs))
         loss = outs[self.loss_index()]
         # The grad of a Replicate or Partial value is the full gradient, of a Shard its block:
         # ones of the local shape are right in every case (d sum / d out = 1).
@@ -160,7 +147,31 @@ class Plan:
     def build(self, rank: int) -> LocalModule:
         """This rank's program with its parameter pieces as stored (call it inside a rank
         context). See :mod:`autoshard.training`."""
-        return LocalModule(self, rank)
+        return LocalModule(self.rank_spec(), rank, lambda slot: self.captured.state[slot.target])
+
+    def rank_spec(self) -> RankSpec:
+        """What a rank needs to run this plan's program, without the planner."""
+        if self._rank_spec is not None:
+            return self._rank_spec
+        prog, mesh, cap = self.program, self.mesh, self.captured
+        slots = []
+        for name, kind, i in prog.placeholders:
+            inp = cap.inputs[i]
+            val = self._placeholder(inp.name).meta.get("val")
+            if kind == "full":
+                slots.append(Slot(name, "full", inp.name, prog.use_placements[inp.name]))
+                continue
+            shape, dtype = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else (None, torch.float32)
+            zero1 = None
+            if self.zero_stage == 1 and self.data_axes and inp.kind == "parameter" and inp.trainable:
+                d = slice_dim_for(prog.use_placements[name], shape, mesh, self.data_axes[0])
+                zero1 = (self.data_axes[0], d) if d is not None else None
+            slots.append(Slot(name, inp.kind, inp.target, prog.input_placements[i], prog.use_placements.get(name),
+                              prog.storage.get(name), inp.trainable, zero1, shape, dtype))
+        self._rank_spec = RankSpec(mesh, prog.graph_module, slots, list(self.data_axes), prog.reshard_tags,
+                                   list(prog.buckets), cap.flatten_args,
+                                   lambda flat: pytree.tree_unflatten(flat, cap.out_spec))
+        return self._rank_spec
 
     def optimizer(self, local: LocalModule, optimizer_cls, **kwargs) -> ShardedOptimizer:
         """The optimizer for ``local``: ``optimizer_cls(params, **kwargs)`` over this rank's
@@ -201,7 +212,7 @@ class Plan:
                 for j, mb in enumerate(step):
                     sync = contextlib.nullcontext() if j == len(step) - 1 else local.no_sync()
                     with sync:
-                        loss = local.run_flat(tuple(mb), {})[li]
+                        loss = local.run_flat(self.captured.flatten_args(tuple(mb), {}))[li]
                         (loss / len(step)).backward()
                     total += loss.item() / len(step)
                 opt.step()
@@ -218,9 +229,6 @@ class Plan:
                 params[alias] = params[kept]
         return results[0][0], params
 
-    def global_shape(self, placeholder: str) -> tuple:
-        return tuple(self._placeholder(placeholder).meta["val"].shape)
-
     def state_bytes(self, optimizer_states: int = 2) -> dict:
         """Predicted bytes of parameters, gradients and optimizer state per rank, from the
         placements: ``optimizer_states`` per-element buffers (2 for Adam/AdamW, 1 for SGD with
@@ -230,27 +238,7 @@ class Plan:
 
             plan.state_bytes()   # {'params': ..., 'grads': ..., 'optimizer': ...}
         """
-        prog, mesh = self.program, self.mesh
-        out = {"params": 0, "grads": 0, "optimizer": 0}
-        for name, kind, i in prog.placeholders:
-            inp = self.captured.inputs[i]
-            if kind != "input" or inp.kind != "parameter":
-                continue
-            val = self._placeholder(name).meta["val"]
-            size = val.element_size()
-            use = torch.Size(local_shape(val.shape, prog.use_placements[name], mesh)).numel()
-            stored = torch.Size(local_shape(val.shape, prog.input_placements[i], mesh)).numel()
-            st = prog.storage.get(name)
-            out["params"] += size * (use if st is not None and st.mode == "persistent" else stored)
-            if not inp.trainable:
-                continue
-            out["grads"] += size * stored
-            opt = stored
-            if self.zero_stage == 1 and self.data_axes:
-                d = slice_dim_for(prog.use_placements[name], val.shape, mesh, self.data_axes[0])
-                opt = use // mesh.axes[self.data_axes[0]] if d is not None else use
-            out["optimizer"] += size * opt * optimizer_states
-        return out
+        return predicted_state_bytes(self.rank_spec(), optimizer_states)
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
@@ -325,3 +313,28 @@ class Plan:
         from autoshard.passes.export import export_plan
 
         return export_plan(self, path, args, kwargs, **options)
+
+    # ------------------------------------------------------------------ cost model (autoshard.cost)
+    @property
+    def cost(self):
+        """Predicted cost per rank (a dict, see :class:`autoshard.cost.report.CostReport`):
+        ``step_time`` = ``compute`` + exposed communication (``comm_exposed`` by (axis, phase)),
+        ``memory`` (persistent and peak bytes), plus ``comm_bytes`` by (phase, axis) and
+        ``state_bytes_per_rank``. Uses the hardware the plan was made for (``hardware=``)."""
+        from autoshard.cost.report import cost_report
+
+        return cost_report(self)
+
+    @property
+    def alternatives(self) -> list:
+        """The best other candidates of the layout search, cheapest first (``mesh``,
+        ``layout``, ``zero_stage``, ``step_time``, ``cost``); empty when the layout was given."""
+        from autoshard.cost.report import alternatives
+
+        return alternatives(self)
+
+    def explain(self) -> str:
+        """Why this plan: its predicted cost, and what makes the runner-up slower."""
+        from autoshard.cost.report import explain
+
+        return explain(self)

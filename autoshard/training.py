@@ -26,17 +26,17 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import math
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .ownership import Replicate, Shard, local_piece, local_shape
 from .runtime.buckets import GradBuckets, assign_buckets
 from .runtime.collectives import all_gather, reshard_after_forward
 from .runtime.context import current, trace_phase
-from autoshard.passes.spmd import LayoutError, ParamStorage
+from autoshard.passes.spmd import ParamStorage
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state:
 # their step on a shard equals the matching slice of the step on the whole tensor.
@@ -75,6 +75,31 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
     return out
 
 
+def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
+                  bucket_mb: float, display: dict):
+    """The per-rank program of a resolved layout with a state-sharding level: the data axes
+    (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
+    sharding and gradient buckets that the forward program does not show. Returns
+    ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
+    from autoshard.passes.spmd import LayoutError, input_placements, rewrite
+
+    grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
+    places = input_placements(graph, info, resolved, mesh)
+    axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
+    if zero_stage and not axes:
+        raise LayoutError(f"zero_stage={zero_stage} shards training state over the data-parallel axis, but no mesh "
+                          f"axis splits an input: put the batch dim on a mesh axis in layout (e.g. {{'batch': 'dp'}})")
+    params = {n.name: n.meta["val"] for n in graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
+    storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard) if zero_stage else {}
+    bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
+    program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
+                      bucket_candidates=[n for n in params if n not in storage] if bucket_axis else ())
+    program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
+    program.collectives += bucket_collectives(program, bucket_axis, params, display,
+                                              int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
+    return program, axes
+
+
 def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, display: dict) -> list:
     """Collectives of state sharding that the forward program does not show: the second gather
     of a resharded parameter (backward) and the optimizer-phase gathers of ZeRO-1/2."""
@@ -100,13 +125,15 @@ def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, displ
     return out
 
 
-def bucket_collectives(program, axis, shapes: dict, display: dict, bucket_bytes: int) -> list:
+def bucket_collectives(program, axis, shapes: dict, display: dict, bucket_bytes: int, mesh) -> list:
     """One backward all-reduce per gradient bucket (tags after the program's own)."""
     from autoshard.passes.spmd import Collective
 
     if not program.bucketed:
         return []
-    sizes = [(n, shapes[n].numel() * shapes[n].element_size()) for n in program.bucketed]
+    # This rank's pieces are what a bucket all-reduces.
+    sizes = [(n, torch.Size(local_shape(shapes[n].shape, program.use_placements[n], mesh)).numel()
+              * shapes[n].element_size()) for n in program.bucketed]
     first_tag = 1 + max((c.tag for c in program.collectives), default=-1)
     program.buckets = [(first_tag + k, names) for k, names in enumerate(assign_buckets(sizes, bucket_bytes))]
     out = []
@@ -129,83 +156,109 @@ def slice_dim_for(use_place, shape, mesh, axis):
     return None
 
 
+@dataclass
+class Slot:
+    """One argument of the per-rank program and how this rank holds it."""
+
+    name: str  # placeholder name
+    kind: str  # user | parameter | buffer | constant | full (ZeRO-2's persistent full copy)
+    target: str  # FQN or argument path; for "full", the placeholder name of its parameter
+    placement: tuple  # as stored (for a user input: how each rank slices it)
+    use_placement: tuple | None = None  # where the parameter is used, if stored otherwise
+    storage: ParamStorage | None = None
+    trainable: bool = False
+    zero1: tuple | None = None  # (axis, dim) of ZeRO-1's optimizer slice
+    shape: tuple | None = None  # global shape; None for a non-tensor value
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class RankSpec:
+    """What one rank needs to run and train a plan's program, without the planner: made by
+    ``Plan.rank_spec()`` and, in an exported directory, from ``plan.json``."""
+
+    mesh: object
+    forward: Callable  # the per-rank program: forward(*slot values) -> flat outputs
+    slots: list
+    data_axes: list = field(default_factory=list)
+    reshard_tags: frozenset = frozenset()
+    buckets: list = field(default_factory=list)  # (tag, [parameter placeholder names]) in launch order
+    flatten: Callable | None = None  # (args, kwargs) -> flat user inputs
+    unflatten: Callable | None = None  # flat outputs -> the model's output structure
+
+
 class LocalModule(nn.Module):
     """One rank's program with its parameters, called like the model (inside a rank context).
 
     ``parameters()`` are this rank's leaves as stored (shards or whole tensors); outputs come
-    back as local pieces (whole where replicated, this rank's block where sharded)."""
+    back as local pieces (whole where replicated, this rank's block where sharded). ``lookup``
+    gives the global tensor (or value) of a slot's target; each rank keeps only its block."""
 
-    def __init__(self, plan, rank: int):
+    def __init__(self, spec: RankSpec, rank: int, lookup: Callable, device=None):
         super().__init__()
-        self._plan, self.rank = plan, rank
-        cap, prog, mesh = plan.captured, plan.program, plan.mesh
+        self.spec, self.rank, self.device = spec, rank, device
+        mesh = spec.mesh
         self.fqn_of: dict = {}  # parameter attribute -> FQN
-        self._values: dict = {}  # placeholder name -> tensor, for non-user inputs
-        self._user: list = []  # placeholder positions of user inputs
-        fulls = {}
-        for name, kind, index in prog.placeholders:
-            inp = cap.inputs[index]
-            if kind == "full" or inp.kind == "user":
+        self._values: dict = {}  # placeholder name -> tensor or value, for non-user slots
+        for slot in spec.slots:
+            if slot.kind in ("user", "full"):
                 continue
-            src = cap.state[inp.target].detach()
+            src = lookup(slot)
             if not isinstance(src, torch.Tensor):
-                self._values[name] = src
+                self._values[slot.name] = src
                 continue
-            place = prog.input_placements[index]
-            st = prog.storage.get(name)
+            src = src.detach()
+            st = slot.storage
             if st is not None and st.mode == "persistent":
                 # The full copy is the parameter's memory; the trainable shard is a view of it.
-                full = local_piece(src, prog.use_placements[name], mesh, rank).clone()
-                self.register_buffer(name + "_full", full, persistent=False)
-                fulls[name] = full
-                i = mesh.coords(rank)[st.axis]
+                full = local_piece(src, slot.use_placement, mesh, rank).to(device=device, copy=True)
+                self.register_buffer(slot.name + "_full", full, persistent=False)
+                self._values[slot.name + "_full"] = full
                 n = full.shape[st.dim] // mesh.axes[st.axis]
-                piece = full.narrow(st.dim, i * n, n)
+                piece = full.narrow(st.dim, mesh.coords(rank)[st.axis] * n, n)
             else:
-                piece = local_piece(src, place, mesh, rank).clone()
-            if inp.kind == "parameter":
-                p = nn.Parameter(piece, requires_grad=inp.trainable)
-                self.register_parameter(name, p)
-                self.fqn_of[name] = inp.target
-                self._values[name] = p
+                piece = local_piece(src, slot.placement, mesh, rank).to(device=device, copy=True)
+            if slot.kind == "parameter":
+                p = nn.Parameter(piece, requires_grad=slot.trainable)
+                self.register_parameter(slot.name, p)
+                self.fqn_of[slot.name] = slot.target
+                self._values[slot.name] = p
             else:
-                self.register_buffer(name, piece, persistent=False)
-                self._values[name] = piece
-        for name, kind, index in prog.placeholders:
-            if kind == "full":
-                self._values[name] = fulls[name[: -len("_full")]]
-        if prog.buckets:
-            GradBuckets({n: self._values[n] for n in prog.bucketed}, [names for _, names in prog.buckets],
-                        plan.data_axes[0], tags=[tag for tag, _ in prog.buckets]).attach()
+                self.register_buffer(slot.name, piece, persistent=False)
+                self._values[slot.name] = piece
+        if spec.buckets:
+            # Data-parallel gradient sync of replicated parameters is not in the program: it
+            # runs as bucketed all-reduces started from gradient hooks, overlapping backward.
+            names = [ns for _, ns in spec.buckets]
+            GradBuckets({n: self._values[n] for ns in names for n in ns}, names, spec.data_axes[0],
+                        tags=[tag for tag, _ in spec.buckets]).attach()
 
-    def local_inputs(self, args, kwargs) -> list:
-        plan = self._plan
-        cap, prog, mesh = plan.captured, plan.program, plan.mesh
-        users = iter(cap.flatten_args(args, kwargs))
+    def local_inputs(self, flat_user: list) -> list:
+        users = iter(flat_user)
         out = []
-        for name, kind, index in prog.placeholders:
-            if cap.inputs[index].kind == "user" and kind == "input":
+        for slot in self.spec.slots:
+            if slot.kind == "user":
                 v = next(users)
-                out.append(local_piece(v.detach(), prog.input_placements[index], mesh, self.rank)
-                           if isinstance(v, torch.Tensor) else v)
+                out.append(local_piece(v.detach(), slot.placement, self.spec.mesh, self.rank).to(
+                    device=self.device, copy=True) if isinstance(v, torch.Tensor) else v)
+            elif slot.kind == "full":
+                out.append(self._values[slot.target + "_full"])
             else:
-                out.append(self._values[name])
+                out.append(self._values[slot.name])
         return out
 
     def forward(self, *args, **kwargs):
         """The model's outputs for the global inputs ``args``; each rank slices its block."""
-        flat = self.run_flat(args, kwargs)
-        return pytree.tree_unflatten(flat, self._plan.captured.out_spec)
+        return self.spec.unflatten(self.run_flat(self.spec.flatten(args, kwargs)))
 
-    def run_flat(self, args, kwargs) -> list:
-        prog = self._plan.program
-        inputs = self.local_inputs(args, kwargs)
-        if not prog.reshard_tags or not torch.is_grad_enabled():
-            return list(prog.graph_module(*inputs))
-        ctx = current("LocalModule")
-        ctx.reshard_tags = prog.reshard_tags
+    def run_flat(self, flat_user: list) -> list:
+        """The program's flat local outputs for the flat global user inputs."""
+        inputs = self.local_inputs(flat_user)
+        if not self.spec.reshard_tags or not torch.is_grad_enabled():
+            return list(self.spec.forward(*inputs))
+        current("LocalModule").reshard_tags = self.spec.reshard_tags
         with reshard_after_forward():
-            return list(prog.graph_module(*inputs))
+            return list(self.spec.forward(*inputs))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -213,7 +266,7 @@ class LocalModule(nn.Module):
         once, by the first backward outside this context (linear, so exact)."""
         ctx = current("no_sync")
         old = ctx.defer_axes
-        ctx.defer_axes = frozenset(old | set(self._plan.data_axes))
+        ctx.defer_axes = frozenset(old | set(self.spec.data_axes))
         try:
             yield
         finally:
@@ -247,32 +300,29 @@ class ShardedOptimizer:
     """
 
     def __init__(self, local: LocalModule, factory):
-        plan = local._plan
-        self.local, self.plan = local, plan
-        prog, mesh = plan.program, plan.mesh
-        self.slices = []  # ZeRO-1: (slice parameter, whole parameter, axis, dim)
+        self.local = local
+        mesh, slots = local.spec.mesh, {s.name: s for s in local.spec.slots}
+        self.slices = []  # ZeRO-1: (slice parameter, whole parameter, axis, dim, start)
         self.refresh = []  # ZeRO-2: (shard parameter, full copy, axis, dim)
         params = []
         for name, p in local.named_parameters():
             if not p.requires_grad:
                 continue
-            st = prog.storage.get(name)
-            if plan.zero_stage == 1 and plan.data_axes:
-                axis = plan.data_axes[0]
-                d = slice_dim_for(prog.use_placements[name], plan.global_shape(name), mesh, axis)
-                if d is not None:
-                    n = p.shape[d] // mesh.axes[axis]
-                    start = mesh.coords(local.rank)[axis] * n
-                    s = nn.Parameter(p.detach().narrow(d, start, n))  # a view: stepping it updates p
-                    self.slices.append((s, p, axis, d, start))
-                    params.append(s)
-                    continue
-            if st is not None and st.mode == "persistent":
-                self.refresh.append((p, getattr(local, name + "_full"), st.axis, st.dim))
+            slot = slots[name]
+            if slot.zero1 is not None:
+                axis, d = slot.zero1
+                n = p.shape[d] // mesh.axes[axis]
+                start = mesh.coords(local.rank)[axis] * n
+                s = nn.Parameter(p.detach().narrow(d, start, n))  # a view: stepping it updates p
+                self.slices.append((s, p, axis, d, start))
+                params.append(s)
+                continue
+            if slot.storage is not None and slot.storage.mode == "persistent":
+                self.refresh.append((p, getattr(local, name + "_full"), slot.storage.axis, slot.storage.dim))
             params.append(p)
         self.inner = factory(params)
-        sharded = any(any(not isinstance(o, Replicate) for o in prog.input_placements[i])
-                      for _, kind, i in prog.placeholders if plan.captured.inputs[i].kind == "parameter")
+        sharded = any(s.kind == "parameter" and any(not isinstance(o, Replicate) for o in s.placement)
+                      for s in slots.values())
         if (sharded or self.slices) and not isinstance(self.inner, ELEMENTWISE_OPTIMIZERS):
             raise ValueError(f"{type(self.inner).__name__} does not update each element independently, so it cannot "
                              f"step on parameter shards; use one of "
@@ -302,3 +352,24 @@ class ShardedOptimizer:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     total += v.numel() * v.element_size()
         return total
+
+
+def predicted_state_bytes(spec: RankSpec, optimizer_states: int = 2) -> dict:
+    """Bytes of parameters, gradients and optimizer state one rank holds under ``spec``, from
+    placements alone: ``optimizer_states`` per-element buffers (2 for Adam/AdamW, 1 for SGD
+    with momentum)."""
+    mesh = spec.mesh
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for slot in spec.slots:
+        if slot.kind != "parameter":
+            continue
+        size = torch.empty((), dtype=slot.dtype).element_size()
+        use = torch.Size(local_shape(slot.shape, slot.use_placement or slot.placement, mesh)).numel()
+        stored = torch.Size(local_shape(slot.shape, slot.placement, mesh)).numel()
+        persistent = slot.storage is not None and slot.storage.mode == "persistent"
+        out["params"] += size * (use if persistent else stored)
+        if slot.trainable:
+            out["grads"] += size * stored
+            opt = stored // mesh.axes[slot.zero1[0]] if slot.zero1 else stored
+            out["optimizer"] += size * opt * optimizer_states
+    return out

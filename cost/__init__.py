@@ -33,3 +33,11 @@ __all__ = [
     # pipeline
     "bubble_fraction", "bubble_overhead",
 ]
+
+# Graph cost model, layout search and calibration (see cost/model.py, cost/search.py).
+from .model import CostModel, PlanCost, program_cost, resolve_cost_model  # noqa: E402
+from .search import SearchResult, SearchSpace, factorizations, plan_search, search_layout  # noqa: E402
+from .calibrate import calibrate  # noqa: E402
+
+__all__ += ["CostModel", "PlanCost", "program_cost", "resolve_cost_model", "SearchSpace", "SearchResult",
+            "search_layout", "plan_search", "factorizations", "calibrate"]

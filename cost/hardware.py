@@ -113,6 +113,9 @@ class DeviceSpec:
     mem_capacity: float
     flops_efficiency: float = 1.0
     mem_efficiency: float = 1.0
+    # Fixed seconds per op launch (Python dispatch / kernel launch); 0 in the presets, set by
+    # calibration where small ops are overhead-bound (CPU eager mode).
+    op_overhead: float = 0.0
 
     def __post_init__(self):
         flops = {normalize_dtype(k): float(v) for k, v in dict(self.peak_flops).items()}
@@ -125,6 +128,8 @@ class DeviceSpec:
         for attr in ("flops_efficiency", "mem_efficiency"):
             if not 0 < getattr(self, attr) <= 1:
                 raise ValueError(f"device {self.name!r}: {attr} must be in (0, 1], got {getattr(self, attr)!r}")
+        if not self.op_overhead >= 0:
+            raise ValueError(f"device {self.name!r}: op_overhead must be >= 0 s, got {self.op_overhead!r}")
 
     def flops(self, dtype: Any = "bf16") -> float:
         """Peak FLOP/s for ``dtype``; a ValueError names the dtypes this device lists."""

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from .rules import RULES, GETITEM, Indexing, get_path, is_tensor_node, shape_of
+from .rules import RULES, GETITEM, Indexing, get_path, shape_of
 
 
 class DimTable:
@@ -273,7 +273,8 @@ def infer_dims(graph: fx.Graph, placeholder_origin: dict) -> DimInfo:
                 elif letter in bound:
                     dl.append(bound[letter])
                 else:
-                    bound[letter] = [t.new(s, f"{module_of(node) or node.name}.{node.name}.{letter}")]
+                    mod = module_of(node)
+                    bound[letter] = [t.new(s, f"{mod}.{node.name}.{letter}" if mod else f"{node.name}.{letter}")]
                     dl.append(bound[letter])
             per_out.append(dl)
         dims[node] = per_out

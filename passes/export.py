@@ -43,7 +43,8 @@ from torch import fx
 from torch.fx.graph import _custom_builtins
 from torch.utils import _pytree as pytree
 
-from autoshard.ownership import Partial, Replicate, Shard, describe, local_shape
+from autoshard import ownership
+from autoshard.ownership import describe, local_shape
 from autoshard.runtime import collectives as C
 
 from .dims import module_of, source_line
@@ -67,21 +68,6 @@ class ExportError(ValueError):
 
 def placement_to_str(place) -> list:
     return [str(o) for o in place]
-
-
-def placement_from_str(items) -> tuple:
-    out = []
-    for s in items:
-        m = re.fullmatch(r"S\((\d+)\)", s)
-        if m:
-            out.append(Shard(int(m.group(1))))
-        elif s == "R":
-            out.append(Replicate())
-        elif s == "P":
-            out.append(Partial())
-        else:
-            raise ValueError(f"unknown ownership {s!r} (expected 'S(d)', 'R' or 'P')")
-    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,7 +152,7 @@ def generate_program(plan, inputs_meta: list) -> str:
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap_device)
     collective_fns = {fn: fn.__name__ for fn in C.COLLECTIVES.values()}
     by_name = {m["name"]: m for m in inputs_meta}
-    place_by_name = {m["name"]: placement_from_str(m["placement"]) for m in inputs_meta if m.get("placement")}
+    place_by_name = {m["name"]: ownership.parse(m["placement"]) for m in inputs_meta if m.get("placement")}
     comments = []
     for node in graph.nodes:
         if node.op == "placeholder":

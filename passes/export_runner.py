@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from autoshard.mesh import Mesh
-from autoshard.ownership import Partial, Replicate, Shard, local_piece
+from autoshard import ownership
+from autoshard.ownership import Replicate, Shard, local_piece
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -52,18 +53,10 @@ def parse_placement(items, n_axes: int, what: str) -> tuple:
     if not isinstance(items, list) or len(items) != n_axes:
         raise RunError(f"plan.json is corrupted: {what} has owners {items!r}, expected one per mesh axis "
                        f"({n_axes}) (hint: export the plan again)")
-    out = []
-    for s in items:
-        m = re.fullmatch(r"S\((\d+)\)", s) if isinstance(s, str) else None
-        if m:
-            out.append(Shard(int(m.group(1))))
-        elif s == "R":
-            out.append(Replicate())
-        elif s == "P":
-            out.append(Partial())
-        else:
-            raise RunError(f"plan.json is corrupted: {what} has an unknown owner {s!r} (hint: export the plan again)")
-    return tuple(out)
+    try:
+        return ownership.parse(items)
+    except ValueError as e:
+        raise RunError(f"plan.json is corrupted: {what} has an {e} (hint: export the plan again)") from None
 
 
 def read_plan(root: Path) -> dict:
@@ -248,119 +241,49 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
 
 class RankProgram:
     """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
-    ZeRO shard), and the optimizer step that keeps them consistent across ranks.
-
-    ZeRO stages follow the plan (see ``autoshard/training.py``): 3 stores parameters sharded
-    (the program gathers them; gradients arrive as blocks), 2 keeps a full copy next to the
-    trainable shard and refreshes it after each step, 1 steps a slice of each whole parameter
-    and gathers the updated slices. Optimizers here are elementwise (AdamW, SGD), so a step on a
-    slice equals that slice of the step on the whole tensor.
-    """
+    ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.training.LocalModule` and
+    :class:`~autoshard.training.ShardedOptimizer`, built from plan.json instead of a plan."""
 
     def __init__(self, doc: dict, mesh: Mesh, rank: int, program, weights: Weights, device, train: bool):
-        self.doc, self.mesh, self.rank, self.program, self.device = doc, mesh, rank, program, device
-        self.slots = []  # per forward argument: ("user", k, placement) | ("value", v) | ("full", name)
-        self.params: dict = {}  # FQN -> this rank's trainable parameter piece
-        self.refresh = []  # ZeRO-2: (shard, full copy, axis, dim)
-        self.zero1 = {}  # ZeRO-1: FQN -> (axis, dim)
-        self.reshard_tags = frozenset(doc.get("reshard_tags") or ())
-        fulls, by_name, k = {}, {}, 0
+        from autoshard.passes.spmd import ParamStorage
+        from autoshard.training import LocalModule, RankSpec, Slot
+
+        self.doc, self.mesh, self.rank, self.device = doc, mesh, rank, device
+        slots = []
         for m in doc["inputs"]:
-            if m["kind"] == "user":
-                self.slots.append(("user", k, m.get("_place")))
-                k += 1
-                continue
             if m.get("role", "input") == "full":
-                self.slots.append(("full", m["of"]))
+                slots.append(Slot(m["name"], "full", m["of"], m.get("_place")))
                 continue
-            src = weights.find(m["target"]) if m.get("shape") is not None else None
-            if not isinstance(src, torch.Tensor):
-                self.slots.append(("value", src))
-                continue
-            st = m.get("storage") or {}
-            full = None
-            if st.get("mode") == "persistent":
-                full = local_piece(src, m["_use"], mesh, rank).to(device=device, copy=True)
-                fulls[m["name"]] = full
-                n = full.shape[st["dim"]] // mesh.axes[st["axis"]]
-                piece = full.narrow(st["dim"], mesh.coords(rank)[st["axis"]] * n, n)  # a view of the copy
-            else:
-                piece = local_piece(src, m["_place"], mesh, rank).to(device=device, copy=True)
-            if m["kind"] == "parameter" and train and m.get("trainable"):
-                piece = torch.nn.Parameter(piece)
-                self.params[m["target"]] = piece
-                by_name[m["name"]] = piece
-                if full is not None:
-                    self.refresh.append((piece, full, st["axis"], st["dim"]))
-                if m.get("zero1"):
-                    self.zero1[m["target"]] = (m["zero1"]["axis"], m["zero1"]["dim"])
-            self.slots.append(("value", piece))
-        self.slots = [("value", fulls[s[1]]) if s[0] == "full" else s for s in self.slots]
-        self.opt, self.slices = None, []
-        buckets = doc.get("grad_buckets")
-        if train and buckets and buckets.get("buckets"):
-            # Data-parallel gradient sync of replicated parameters is not in the program: it runs
-            # as bucketed all-reduces started from gradient hooks, overlapping backward.
-            from autoshard.runtime.buckets import GradBuckets
-
-            names = [b["params"] for b in buckets["buckets"]]
-            GradBuckets({n: by_name[n] for ns in names for n in ns}, names, buckets["axis"],
-                        tags=[b["tag"] for b in buckets["buckets"]]).attach()
-
-    def arguments(self, user: list) -> list:
-        out = []
-        for slot in self.slots:
-            if slot[0] == "user":
-                v = user[slot[1]]
-                out.append(local_piece(v, slot[2], self.mesh, self.rank).to(device=self.device, copy=True)
-                           if isinstance(v, torch.Tensor) else v)
-            else:
-                out.append(slot[1])
-        return out
+            st = m.get("storage")
+            storage = ParamStorage(m["_place"], st["axis"], st["dim"], st.get("stage", 0), st["mode"],
+                                   bool(st.get("reshard"))) if st else None
+            z1 = m.get("zero1")
+            slots.append(Slot(m["name"], m["kind"], m["target"], m.get("_place"), m.get("_use"), storage,
+                              bool(train and m.get("trainable")), (z1["axis"], z1["dim"]) if z1 else None,
+                              tuple(m["shape"]) if m.get("shape") is not None else None,
+                              m.get("_dtype", torch.float32)))
+        buckets = doc.get("grad_buckets") or {}
+        spec = RankSpec(mesh, program.forward, slots, [buckets["axis"]] if buckets.get("axis") else [],
+                        frozenset(doc.get("reshard_tags") or ()),
+                        [(b["tag"], list(b["params"])) for b in buckets.get("buckets", [])] if train else [])
+        lookup = lambda slot: weights.find(slot.target) if slot.shape is not None else None  # noqa: E731
+        self.local = LocalModule(spec, rank, lookup, device)
+        self.params = {self.local.fqn_of[n]: p for n, p in self.local.named_parameters() if p.requires_grad}
+        self.opt = None
 
     def forward(self, user: list) -> list:
         """The program's flat local outputs (call inside the rank context)."""
-        args = self.arguments(user)
-        if not self.reshard_tags or not torch.is_grad_enabled():
-            return list(self.program.forward(*args))
-        from autoshard.runtime.collectives import reshard_after_forward
-        from autoshard.runtime.context import current
-
-        current("run.py").reshard_tags = self.reshard_tags  # ZeRO-3: gather again in backward
-        with reshard_after_forward():
-            return list(self.program.forward(*args))
+        return self.local.run_flat(user)
 
     def make_optimizer(self, kind: str, lr: float):
+        from autoshard.training import ShardedOptimizer
+
         cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
-        params = []
-        for fqn, p in self.params.items():
-            if fqn in self.zero1:
-                axis, d = self.zero1[fqn]
-                n = p.shape[d] // self.mesh.axes[axis]
-                start = self.mesh.coords(self.rank)[axis] * n
-                s = torch.nn.Parameter(p.detach().narrow(d, start, n))  # a view: stepping it updates p
-                self.slices.append((s, p, axis, d, start))
-                params.append(s)
-            else:
-                params.append(p)
-        self.opt = cls(params, lr=lr)
+        self.opt = ShardedOptimizer(self.local, lambda params: cls(params, lr=lr))
 
-    @torch.no_grad()
     def step(self):
-        from autoshard.runtime.collectives import all_gather
-        from autoshard.runtime.context import trace_phase
-
-        for s, p, _, d, start in self.slices:
-            s.grad = None if p.grad is None else p.grad.narrow(d, start, s.shape[d])
         self.opt.step()
-        with trace_phase("optimizer"):
-            for s, p, axis, d, _ in self.slices:
-                p.copy_(all_gather(s, axis, d))
-            for shard, full, axis, d in self.refresh:
-                full.copy_(all_gather(shard, axis, d))
         self.opt.zero_grad(set_to_none=True)
-        for p in self.params.values():
-            p.grad = None
 
 
 def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adamw", lr: float = 1e-3,

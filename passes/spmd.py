@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from autoshard.ownership import P, R, Partial, Replicate, Shard, describe, local_shape
+from autoshard.ownership import P, R, Partial, Replicate, Shard, local_shape
 from autoshard.runtime import collectives as C
 
 from .dims import DimInfo, module_of, source_line
@@ -616,8 +616,9 @@ class _Rewriter:
         x = self.convert(src, 0, tuple(target), set(), node, "a reshape regroups a split dim")
         out_place = tuple(out_place)
         shape = list(local_shape(shape_of(node), out_place, self.mesh))
-        target_op = aten.view.default if node.target == aten.view.default else aten.reshape.default
-        new = self.g.call_function(target_op, (x, shape))
+        # reshape, not view: a gathered block (or an op on one) need not be laid out as the
+        # global tensor was, and reshape is still a view wherever the strides allow.
+        new = self.g.call_function(aten.reshape.default, (x, shape))
         new.meta = {k: v for k, v in node.meta.items() if k != "val"}
         new.meta["val"] = self.meta_local(node.meta["val"], out_place)
         self.local[node] = new

@@ -82,7 +82,7 @@ def test_export_writes_a_runnable_directory(capsys, tmp_path):
     (["plan", LLAMA, "--mesh", "dp=2", "--layout", "batch=tp"], "names mesh axis 'tp'"),
     (["plan", LLAMA, "--mesh", "dp=3", "--layout", "batch=dp"], "cannot split evenly"),
     (["plan", LLAMA, "--mesh", "dp=2", "--factory-arg", "nope=1"], "calling"),
-    (["plan", LLAMA, "--mesh", "dp=2", "--memory-limit", "80GB"], "not supported yet"),
+    (["plan", LLAMA, "--mesh", "dp=2", "--memory-limit", "lots"], "memory_limit 'lots'"),
 ])
 def test_user_mistakes_are_one_line_with_a_hint(capsys, argv, message):
     rc, out, err = run_cli(capsys, *argv)

@@ -1,0 +1,195 @@
+"""What a plan costs and why it was chosen: ``plan.cost``, ``plan.alternatives``, ``plan.explain()``.
+
+Example::
+
+    >>> plan = autoshard.autoshard(model, args, mesh=mesh, dims=dims, hardware="h100")  # doctest: +SKIP
+    >>> plan.cost["step_time"], plan.cost["memory"]["peak"]                              # doctest: +SKIP
+    >>> print(plan.explain())                                                            # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import torch
+
+from .model import PlanCost, formula_text, program_cost, resolve_cost_model
+
+__all__ = ["CostReport", "plan_cost", "cost_report", "explain", "alternatives", "describe_layout"]
+
+
+class CostReport(dict):
+    """``plan.cost``: a dict (JSON-friendly keys and values) that prints as a short table.
+
+    Keys: ``step_time`` (s), ``compute`` (s), ``compute_by_phase``, ``comm_exposed``
+    ({(axis, phase): s} the compute stream waits), ``comm_total`` ({(axis, phase): s} of
+    communication, hidden or not), ``memory`` (bytes per rank: params, grads, optimizer,
+    persistent, activations, gathered_params, comm_buffers, peak), ``zero_stage``,
+    ``hardware``; and, unchanged from before the cost model, ``comm_bytes``
+    ({(phase, axis): bytes of the listed collectives' input buffers}) and
+    ``state_bytes_per_rank``."""
+
+    def __getattr__(self, k):
+        try:
+            return self[k]
+        except KeyError:
+            raise AttributeError(k) from None
+
+    def __str__(self) -> str:
+        ms = lambda s: f"{s * 1e3:.3f} ms"
+        lines = [f"predicted step time {ms(self['step_time'])} on {self['hardware']}: compute {ms(self['compute'])}"]
+        for (axis, phase), t in sorted(self["comm_exposed"].items()):
+            hidden = self["comm_total"].get((axis, phase), 0.0) - t
+            lines.append(f"  exposed communication on {axis} in {phase}: {ms(t)}"
+                         + (f" ({ms(hidden)} hidden under compute)" if hidden > 1e-12 else ""))
+        m = self["memory"]
+        gb = lambda b: f"{b / 1e9:.3f} GB"
+        lines.append(f"memory per rank: persistent {gb(m['persistent'])} (params {gb(m['params'])}, grads "
+                     f"{gb(m['grads'])}, optimizer {gb(m['optimizer'])}), peak {gb(m['peak'])}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _cost_model(plan):
+    cm = getattr(plan, "cost_model", None)
+    return cm if cm is not None else resolve_cost_model(None)
+
+
+def plan_cost(plan) -> PlanCost:
+    """The cost model applied to the plan's rewritten program and its collectives (cached on
+    the plan)."""
+    cached = getattr(plan, "_autoshard_cost", None)
+    if cached is not None:
+        return cached
+    cm = _cost_model(plan)
+    cap = plan.captured
+    vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+    bucket_mb = getattr(plan, "bucket_mb", 25.0)
+    cost = program_cost(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
+                        zero_stage=getattr(plan, "zero_stage", 0), data_axes=getattr(plan, "data_axes", []) or [],
+                        bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
+    try:
+        plan._autoshard_cost = cost
+    except AttributeError:  # pragma: no cover
+        pass
+    return cost
+
+
+def cost_report(plan) -> CostReport:
+    from autoshard.ownership import local_shape
+
+    c = plan_cost(plan)
+    comm: dict = {}
+    for rec in plan.program.collectives:
+        key = (rec.phase, rec.axes[0])
+        comm[key] = comm.get(key, 0) + rec.bytes
+    state = 0
+    for inp, place in zip(plan.captured.inputs, plan.program.input_placements):
+        if inp.kind != "user":
+            t = plan.captured.state[inp.target]
+            if isinstance(t, torch.Tensor):
+                state += torch.Size(local_shape(t.shape, place, plan.mesh)).numel() * t.element_size()
+    return CostReport(step_time=c.step_time, compute=c.compute, compute_by_phase=dict(c.compute_by_phase),
+                      comm_exposed=dict(c.exposed), comm_total=dict(c.comm_total), memory=dict(c.memory),
+                      zero_stage=c.zero_stage, hardware=_cost_model(plan).hardware.name, comm_bytes=comm,
+                      state_bytes_per_rank=state)
+
+
+def describe_layout(layout: dict, mesh) -> str:
+    """``dp: batch; tp: ffn+heads`` from a {name: axes} layout."""
+    per = {a: [] for a in mesh.names}
+    for name, axes in layout.items():
+        for a in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
+            if a in per:
+                per[a].append(name)
+    return "; ".join(f"{a}: {'+'.join(sorted(v)) if v else 'nothing'}" for a, v in per.items())
+
+
+def alternatives(plan) -> list:
+    """The best other candidates the search found, cheapest first: dicts with ``mesh``,
+    ``layout``, ``zero_stage``, ``reshard_after_forward``, ``step_time`` and ``cost``
+    (a :class:`~autoshard.cost.model.PlanCost`)."""
+    res = getattr(plan, "search", None)
+    if res is None:
+        return []
+    return [{"mesh": e.mesh if hasattr(e, "mesh") else res.mesh, "layout": e.layout, "zero_stage": e.candidate.zero_stage,
+             "reshard_after_forward": e.candidate.reshard, "step_time": e.cost.step_time, "cost": e.cost}
+            for e in res.alternatives]
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.3f} MB" if b >= 1e5 else f"{b / 1e3:.1f} kB"
+
+
+def _mesh_of(e, res):
+    return getattr(e, "mesh", None) or res.mesh
+
+
+def explain(plan) -> str:
+    """In words: what the plan is, what it costs, and why it beats the runner-up."""
+    res = getattr(plan, "search", None)
+    cost = plan_cost(plan)
+    ms = lambda s: f"{s * 1e3:.3f} ms"
+    gb = lambda b: f"{b / 1e9:.3f} GB"
+    head = (f"Plan on {plan.mesh}: {describe_layout(plan.layout, plan.mesh)}"
+            + (f"; ZeRO stage {plan.zero_stage} on {plan.data_axes[0]}" if getattr(plan, "zero_stage", 0) else "")
+            + f". Predicted step {ms(cost.step_time)} (compute {ms(cost.compute)}, exposed communication "
+            + f"{ms(cost.comm_exposed)}), peak memory {gb(cost.memory['peak'])} per rank.")
+    if res is None:
+        return head + " The layout was given, not searched: there is no runner-up to compare with."
+    lines = [head]
+    lines.append(f"The search looked at {res.space_size} candidates on {len(getattr(res, 'meshes', [res.mesh]))} "
+                 f"mesh shape(s), evaluated {res.evaluated} exactly ({res.rewrites} rewrites"
+                 + (", repeated blocks solved once" if res.reduced else "")
+                 + f") and ruled out the rest by lower bounds, in {res.seconds:.2f} s.")
+    if res.memory_limit is not None and res.infeasible:
+        lines.append(f"{res.infeasible} candidates exceed memory_limit {gb(res.memory_limit)} per rank (their state "
+                     f"and activations alone, or their evaluated peak).")
+    if getattr(res, "best_infeasible", None) is not None and res.memory_limit is not None:
+        bi = res.best_infeasible
+        lines.append(f"The fastest of those evaluated ({describe_layout(bi.layout, _mesh_of(bi, res))}"
+                     f"{', ZeRO ' + str(bi.candidate.zero_stage) if bi.candidate.zero_stage else ''}, "
+                     f"{ms(bi.cost.step_time)}) needs {gb(bi.cost.memory['peak'])} per rank, over memory_limit "
+                     f"{gb(res.memory_limit)}.")
+    if not res.alternatives:
+        lines.append("No other candidate was valid" + (" within memory_limit." if res.memory_limit else "."))
+        return "\n".join(lines)
+    ties = [e for e in res.alternatives if e.cost.step_time <= cost.step_time * (1 + 1e-9)]
+    others = [e for e in res.alternatives if e not in ties]
+    if ties:
+        lines.append(f"{len(ties)} other candidate(s) tie at the same predicted step time, e.g. "
+                     f"{describe_layout(ties[0].layout, _mesh_of(ties[0], res))}"
+                     + (f"; ZeRO stage {ties[0].candidate.zero_stage}" if ties[0].candidate.zero_stage else "")
+                     + (f" on {_mesh_of(ties[0], res)}" if _mesh_of(ties[0], res) != plan.mesh else "")
+                     + " (the tie is broken by lower peak memory, then by search order).")
+    if not others:
+        return "\n".join(lines)
+    ru = others[0]
+    rc = ru.cost
+    lines.append(f"Runner-up: {describe_layout(ru.layout, _mesh_of(ru, res))}"
+                 + (f"; ZeRO stage {ru.candidate.zero_stage}" if ru.candidate.zero_stage else "")
+                 + (f" on {_mesh_of(ru, res)}" if _mesh_of(ru, res) != plan.mesh else "")
+                 + f", predicted {ms(rc.step_time)} ({ms(rc.step_time - cost.step_time)} slower).")
+    reasons = []
+    dc = rc.compute - cost.compute
+    if abs(dc) > 1e-12:
+        reasons.append((abs(dc), f"it computes {ms(abs(dc))} {'more' if dc > 0 else 'less'} per rank "
+                                 f"({'its ops are split fewer ways' if dc > 0 else 'its ops are split more ways'})"))
+    keys = set(rc.exposed) | set(cost.exposed)
+    for key in keys:
+        d = rc.exposed.get(key, 0.0) - cost.exposed.get(key, 0.0)
+        if abs(d) <= 1e-12:
+            continue
+        axis, phase = key
+        kinds = sorted({k[2] for k in list(rc.counts) + list(cost.counts) if k[:2] == key})
+        detail = ", ".join(f"{k} x{rc.counts.get(key + (k,), 0)} (chosen x{cost.counts.get(key + (k,), 0)}) sending "
+                           f"{_mb(rc.volume.get(key + (k,), 0.0))} (chosen {_mb(cost.volume.get(key + (k,), 0.0))}) "
+                           f"per rank, each {formula_text(k)}" for k in kinds)
+        reasons.append((abs(d), f"it waits {ms(abs(d))} {'more' if d > 0 else 'less'} on {axis} collectives in "
+                                f"{phase}: {detail}"))
+    reasons.sort(key=lambda r: -r[0])
+    if reasons:
+        lines.append("Why it is slower: " + "; ".join(r for _, r in reasons[:4]) + ".")
+    dm = rc.memory["peak"] - cost.memory["peak"]
+    if abs(dm) > 0:
+        lines.append(f"Memory: the runner-up peaks at {gb(rc.memory['peak'])} per rank "
+                     f"({'more' if dm > 0 else 'less'} than the chosen {gb(cost.memory['peak'])}).")
+    return "\n".join(lines)

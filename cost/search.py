@@ -1,0 +1,1118 @@
+"""Layout search: which logical dims each mesh axis shards, and the state sharding level.
+
+The search space (:func:`SearchSpace.candidates`):
+
+- for each mesh axis (size > 1), a set of user-named logical dims it shards. Names in one set
+  never meet in one tensor (heads and ffn both on tp: yes; batch and hidden: no), every name's
+  size divides the axis, and candidates giving the rewrite the same units are one candidate.
+  A name in the sets of several axes is split by all of them, in mesh order (batch on dp and
+  tp = 64-way data parallelism on dp=8 x tp=8). Names are region-specific where the model's
+  regions are (``heads`` only in attention, ``ffn`` only in the MLP, ``vocab`` only in the
+  embedding and head), so "which region shards what" is part of a candidate, and the rewrite
+  inserts the ownership changes between regions; a logical dim that flows through every
+  region (the residual stream's batch / seq / hidden) has one owner everywhere;
+- ``layout=`` entries are constraints: a name given ``None`` stays whole, a name given axes
+  keeps exactly those axes; the other names are open;
+- the state sharding level on the data axis (the lead's ``zero_stage`` 0-3, and for 3 whether
+  parameters are released after forward) when training with a data axis.
+
+Evaluation is exact and fast: the captured graph is cut down to the code outside the repeated
+blocks plus the first three blocks (identical ``layers.N`` blocks are solved once); the real
+SPMD rewrite runs on that, and the cost model (``cost.model``) is applied to the rewritten
+program with the last block's events repeated for the blocks cut away. Equal to the cost of
+the plan rewritten from the whole graph (checked: the steady-state block must repeat exactly,
+else the whole graph is used). Candidates are visited best lower bound first (compute time
+with every op split by the axes that can touch it, plus the exact optimizer time, and
+persistent memory against ``memory_limit``), and the search stops when the bound exceeds the
+cost of the best few found: the winner is the exhaustive minimum.
+
+Example::
+
+    >>> import torch, autoshard                                               # doctest: +SKIP
+    >>> plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 4}), dims=dims,
+    ...                            layout={"batch": None})                      # doctest: +SKIP
+    >>> plan.layout["heads"], plan.layout["ffn"]                               # doctest: +SKIP
+    (('tp',), ('tp',))
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import fx
+
+from .model import (VIEW_OPS, CostModel, PlanCost, block_of_module, collective_seconds, optimizer_collectives,
+                    optimizer_work, program_events, simulate, state_memory)
+
+__all__ = ["SearchSpace", "SearchResult", "Candidate", "search_layout", "factorizations", "reduce_graph"]
+
+
+# =========================================================================== repeated blocks
+
+
+@dataclass
+class Reduced:
+    """The captured graph cut to the non-block code plus the first ``kept`` blocks."""
+
+    graph: fx.Graph
+    inputs: list  # captured Inputs of the kept placeholders, in order
+    info: object  # DimInfo of the reduced graph, names transferred
+    family: str  # e.g. "layers"
+    n_blocks: int
+    kept: int
+    input_map: dict = field(default_factory=dict)  # whole-graph placeholder -> reduced placeholder
+
+
+def _node_sig(node, pos: dict, block_of: dict, j: int, param_key) -> tuple:
+    def arg_sig(a):
+        if isinstance(a, fx.Node):
+            if a.op == "placeholder":
+                return ("ph", param_key(a))
+            b = block_of.get(a)
+            if b == j:
+                return ("in", pos[a])
+            if b is not None and b == j - 1:
+                return ("prev", pos[a])
+            if b is not None:
+                return ("other", b, pos[a])
+            return ("ext", a.name)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg_sig(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, arg_sig(v)) for k, v in a.items()))
+        return ("lit", repr(a))
+
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(type(v)) for v in vals)
+    return (str(node.target), shapes, arg_sig(node.args), arg_sig(node.kwargs))
+
+
+def find_blocks(graph: fx.Graph, inputs, info=None) -> Optional[tuple]:
+    """(family, [nodes of block 0], [block 1], ...) when the graph is prefix, L identical
+    contiguous blocks, suffix (blocks = ``<family>.<i>`` modules); else None."""
+    from autoshard.passes.dims import module_of
+
+    target_of = {i.name: i.target for i in inputs}
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    label = {n: block_of_module(module_of(n)) for n in nodes}
+    fams: dict = {}
+    for n in nodes:
+        if label[n] is not None:
+            fams[label[n][0]] = fams.get(label[n][0], 0) + 1
+    if not fams:
+        return None
+    fam = max(fams, key=fams.get)
+    seq = [label[n][1] if label[n] is not None and label[n][0] == fam else None for n in nodes]
+    # contiguity: None* 0+ 1+ ... (L-1)+ None*
+    idx = [i for i, b in enumerate(seq) if b is not None]
+    first, last = idx[0], idx[-1]
+    if any(b is None for b in seq[first:last + 1]):
+        return None
+    blocks: list = []
+    for i in range(first, last + 1):
+        b = seq[i]
+        if b == len(blocks) - 1:
+            blocks[-1].append(nodes[i])
+        elif b == len(blocks):
+            blocks.append([nodes[i]])
+        else:
+            return None
+    if len(blocks) < 2:
+        return None
+    block_of = {n: j for j, bl in enumerate(blocks) for n in bl}
+    pos = {n: k for bl in blocks for k, n in enumerate(bl)}
+
+    def param_key(ph):
+        t = target_of.get(ph.name, ph.name)
+        parts = t.split(".")
+        prefix = fam.split(".")
+        if parts[:len(prefix)] == prefix and len(parts) > len(prefix) and parts[len(prefix)].isdigit():
+            parts[len(prefix)] = "#"
+            v = ph.meta.get("val")
+            names = tuple(info.dim_name(a) if a else "1" for a in info.of(ph)) if info is not None and ph in info.dims else None
+            return (".".join(parts), tuple(v.shape) if isinstance(v, torch.Tensor) else None, names)
+        return t
+
+    sigs = [[_node_sig(n, pos, block_of, j, param_key) for n in bl] for j, bl in enumerate(blocks)]
+    for j in range(2, len(blocks)):
+        if sigs[j] != sigs[1]:
+            return None
+    # block 0 must match block 1 except for where its inputs come from
+    strip = lambda s: [(t, sh) for t, sh, _, _ in s]
+    if strip(sigs[0]) != strip(sigs[1]):
+        return None
+    # the suffix may read the last block only
+    last_set = set(blocks[-1])
+    for n in nodes[last + 1:]:
+        for a in n.all_input_nodes:
+            if a in block_of and a not in last_set:
+                return None
+    # blocks may not be read by the prefix (trivially) nor placeholders of other blocks read
+    # by the suffix
+    return (fam, blocks, param_key)
+
+
+def reduce_graph(graph: fx.Graph, inputs, info, kept: int = 3) -> Optional[Reduced]:
+    """The graph with only the first ``kept`` blocks (the suffix reads the last kept block
+    where it read the last block), its inputs and its named dims; None when the graph has no
+    identical repeated blocks or is not longer than that."""
+    from autoshard.passes.dims import infer_dims
+
+    found = find_blocks(graph, inputs, info)
+    if found is None:
+        return None
+    fam, blocks, param_key = found
+    L = len(blocks)
+    if L <= kept:
+        return None
+    dropped = {n for bl in blocks[kept:] for n in bl}
+    remap = {n: blocks[kept - 1][k] for k, n in enumerate(blocks[-1])}
+    used = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" or n in dropped:
+            continue
+        for a in n.all_input_nodes:
+            used.add(a if a not in remap else remap[a])
+    new = fx.Graph()
+    env: dict = {}
+    kept_inputs = []
+    by_name = {i.name: i for i in inputs}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            inp = by_name.get(n.name)
+            if n not in used and inp is not None and inp.kind in ("parameter", "buffer", "constant"):
+                continue
+            env[n] = new.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+            if inp is not None:
+                kept_inputs.append(inp)
+            continue
+        if n in dropped:
+            continue
+        env[n] = new.node_copy(n, lambda a: env[remap.get(a, a)])
+    # infer dims on the reduced graph and carry the user's names over, dim by dim
+    red_info = infer_dims(new, {i.name: i.target for i in kept_inputs})
+    full_ph = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    for n in new.nodes:
+        if n.op != "placeholder" or n not in red_info.dims:
+            continue
+        src = full_ph[n.name]
+        if src not in info.dims:
+            continue
+        for d, atoms in enumerate(info.of(src)):
+            lv = info.leaves(atoms)
+            if lv in info.names:
+                rl = red_info.leaves(red_info.of(n)[d])
+                if rl:
+                    red_info.names[rl] = info.names[lv]
+    if set(red_info.names.values()) != set(info.names.values()):
+        return None
+    # every placeholder of the whole graph -> the reduced one that stands for it
+    kept_names = {i.name for i in kept_inputs}
+    by_key = {}
+    for n in new.nodes:
+        if n.op == "placeholder":
+            by_key.setdefault(param_key(full_ph[n.name]), n.name)
+    input_map = {}
+    for i in inputs:
+        if i.name in kept_names:
+            input_map[i.name] = i.name
+        elif i.name in full_ph and param_key(full_ph[i.name]) in by_key:
+            input_map[i.name] = by_key[param_key(full_ph[i.name])]
+    return Reduced(new, kept_inputs, red_info, fam, L, kept, input_map)
+
+
+def expand_segments(segments, family: str, n_blocks: int, kept: int) -> Optional[list]:
+    """Segments of the whole model from those of the reduced program: the last kept block
+    stands for every block after it. None if the kept blocks do not reach a steady state
+    (the last two kept blocks must cost exactly the same)."""
+    idx = {}
+    for k, s in enumerate(segments):
+        if s.block is not None and s.block[0] == family:
+            if s.block[1] in idx:
+                return None  # a block split into several runs: not contiguous after rewrite
+            idx[s.block[1]] = k
+    if sorted(idx) != list(range(kept)):
+        return None
+    ks = [idx[j] for j in range(kept)]
+    if ks != list(range(ks[0], ks[0] + kept)):
+        return None
+    a, b = segments[ks[-2]], segments[ks[-1]]
+    if a.key() != b.key():
+        return None
+    last = segments[ks[-1]]
+    return segments[:ks[-1]] + [last] * (n_blocks - kept + 1) + segments[ks[-1] + 1:]
+
+
+# =========================================================================== the space
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space: per mesh axis the names it shards, and the state
+    sharding level (``zero_stage``; ``reshard`` for stage 3)."""
+
+    axes: tuple  # ((axis, frozenset(names)), ...) in mesh order
+    zero_stage: int = 0
+    reshard: Optional[bool] = None
+
+    def layout(self, names, extra: dict) -> dict:
+        """A complete layout: every name -> its axes in mesh order (``None`` when whole),
+        plus the user's constraint entries that are not names (globs, inferred names)."""
+        out = {}
+        for n in names:
+            axes = tuple(a for a, s in self.axes if n in s)
+            out[n] = axes or None
+        out.update(extra)
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        for a, s in self.axes:
+            parts.append(f"{a}: {'+'.join(sorted(s)) if s else '-'}")
+        z = f"; zero {self.zero_stage}" + ("" if self.reshard is None else f" reshard={self.reshard}")
+        return ", ".join(parts) + (z if self.zero_stage else "")
+
+
+@dataclass
+class Evaluated:
+    candidate: Candidate
+    layout: dict
+    cost: PlanCost
+    bound: float = 0.0
+    mesh: object = None
+
+
+@dataclass
+class SearchResult:
+    """What the search found: ``best`` (an :class:`Evaluated`: candidate, layout, cost),
+    ``alternatives`` (the next best, cheapest first), and statistics."""
+
+    best: Optional[Evaluated]
+    alternatives: list
+    mesh: object
+    space_size: int
+    evaluated: int
+    rewrites: int
+    seconds: float
+    reduced: bool
+    memory_limit: Optional[float] = None
+    infeasible: int = 0
+    invalid: int = 0
+    notes: list = field(default_factory=list)
+    best_infeasible: Optional[Evaluated] = None  # the fastest candidate over memory_limit, if faster
+    meshes: list = field(default_factory=list)
+
+    @property
+    def layout(self) -> dict:
+        return self.best.layout
+
+    @property
+    def zero_stage(self) -> int:
+        return self.best.candidate.zero_stage
+
+    @property
+    def reshard_after_forward(self) -> Optional[bool]:
+        return self.best.candidate.reshard
+
+    @property
+    def cost(self) -> PlanCost:
+        return self.best.cost
+
+
+class SearchSpace:
+    """The captured program, its named dims, the mesh, the cost model and the constraints;
+    enumerates and evaluates candidates.
+
+    Example::
+
+        space = SearchSpace(cap.graph, cap.inputs, info, mesh, CostModel(load_hardware("h100")),
+                            train=True)
+        for cand in space.candidates(): print(cand.describe(), space.evaluate(cand).step_time)
+    """
+
+    def __init__(self, graph, inputs, info, mesh, cm: CostModel, *, train: bool = False, constraints=None,
+                 memory_limit=None, zero_stage=None, reshard_after_forward=None, kept_blocks: int = 3,
+                 reduce: bool = True, display=None, bucket_mb: float = 25.0, shared: Optional[dict] = None):
+        from autoshard.passes.spmd import LayoutError, resolve_layout
+
+        self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
+        self.train = train
+        self.memory_limit = memory_limit
+        self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
+        self.display = display or {i.name: i.target for i in self.inputs}
+        self.names = sorted(set(info.names.values()))
+        constraints = dict(constraints or {})
+        self.fixed: dict = {}
+        self.extra: dict = {}
+        for key, axes in constraints.items():
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            if key in self.names:
+                self.fixed[key] = axes
+            else:
+                self.extra[key] = axes or None
+        # validate the user's constraints as given (unknown names, axes, divisibility)
+        resolve_layout(info, {k: (v or None) for k, v in constraints.items()}, mesh)
+        self.open = [n for n in self.names if n not in self.fixed]
+        self.vals = {n.name: n.meta.get("val") for n in graph.nodes if n.op == "placeholder"}
+        self.grad_inputs = {i.name for i in self.inputs if i.kind == "parameter" and i.trainable}
+        self._LayoutError = LayoutError
+        # Constraints on inferred names or globs may name dims of the blocks cut away: whole graph.
+        # ``shared``: state reusable across meshes of one search (the cut graph, one-axis records)
+        self._shared = shared if shared is not None else {}
+        if reduce and not self.extra:
+            key = ("reduced", kept_blocks)
+            if key not in self._shared:
+                self._shared[key] = reduce_graph(graph, self.inputs, info, kept_blocks)
+            self.reduced = self._shared[key]
+        else:
+            self.reduced = None
+        self._segments: dict = {}
+        self._lb_cache: dict = {}
+        self._places: dict = {}
+        self._state: dict = {}
+        self._nu: dict = {}
+        self._cands = None
+        self._cb_cache: dict = {}
+        self._ob_cache: dict = {}
+        self.invalid = 0
+        self.rewrites = 0
+        self._stage_options = self._stages(zero_stage, reshard_after_forward)
+        # name lookups (resolve_layout) against fixed names: cached
+        self._named_full = _CachedNames(info)
+        self._named_red = _CachedNames(self.reduced.info) if self.reduced is not None else self._named_full
+        # State is computed on the reduced graph's inputs, each standing for its copies.
+        if self.reduced is not None:
+            cnt: dict = {}
+            for full, red in self.reduced.input_map.items():
+                cnt[red] = cnt.get(red, 0) + 1
+            self._st_inputs = list(self.reduced.inputs)
+            self._st_counts = [cnt.get(i.name, 1) for i in self._st_inputs]
+        else:
+            self._st_inputs, self._st_counts = list(self.inputs), [1] * len(self.inputs)
+        self._st_grad = {i.name for i in self._st_inputs if i.kind == "parameter" and i.trainable}
+        self._prepare_bounds()
+
+    # ------------------------------------------------------------------ enumeration
+    def _stages(self, zero_stage, reshard):
+        if not self.train:
+            return [(0, None)]
+        if zero_stage is not None:
+            return [(zero_stage, (True if reshard is None else reshard) if zero_stage == 3 else None)]
+        out = [(0, None), (1, None), (2, None)]
+        out += [(3, True), (3, False)] if reshard is None else [(3, reshard)]
+        return out
+
+    def _units(self, layout, full: bool = False):
+        """Resolved layout on the reduced graph's dims (the one the checks and dedup use), or
+        on the whole graph's with ``full``."""
+        from autoshard.passes.spmd import resolve_layout
+        info = self._named_full if full or self.reduced is None else self._named_red
+        return resolve_layout(info, layout, self.mesh)
+
+    def _tensor_dims(self) -> list:
+        """Distinct tensors' dims as leaf tuples (for the one-axis-one-dim check)."""
+        if hasattr(self, "_tdims"):
+            return self._tdims
+        info = self.reduced.info if self.reduced is not None else self.info
+        seen = set()
+        for outs in info.dims.values():
+            for dims in outs:
+                key = tuple(info.leaves(a) for a in dims if a)
+                if len(key) > 1:
+                    seen.add(key)
+        self._tdims = [(k, info) for k in seen]
+        return self._tdims
+
+    def _name_units(self, axis) -> dict:
+        """{name: its units on ``axis`` alone} (None where the axis cannot split it)."""
+        if axis not in self._nu:
+            units = {}
+            for n in self.names:
+                try:
+                    units[n] = tuple(self._units({n: axis}).units[axis])
+                except self._LayoutError:
+                    units[n] = None
+            self._nu[axis] = units
+        return self._nu[axis]
+
+    def _conflicts(self, axis) -> tuple:
+        """Names that would shard two dims of one tensor on ``axis``: (pairs, names alone)."""
+        units = self._name_units(axis)
+        pairs, selfc = set(), set()
+        for key, info in self._tensor_dims():
+            hits = []
+            for lv in key:
+                hits.append({n for n, us in units.items() if us and any(lv[:len(u)] == u for u in us)})
+            for i in range(len(hits)):
+                for j in range(i + 1, len(hits)):
+                    for a in hits[i]:
+                        for b in hits[j]:
+                            if a == b:
+                                selfc.add(a)
+                            else:
+                                pairs.add(frozenset((a, b)))
+        return pairs, selfc
+
+    def axis_options(self, axis) -> list:
+        """Sets of names ``axis`` may shard (fixed names included)."""
+        size = self.mesh.axes[axis]
+        fixed_here = frozenset(n for n, axes in self.fixed.items() if axis in axes)
+        if size == 1:
+            return [fixed_here]
+        pairs, selfc = self._conflicts(axis)
+        units = self._name_units(axis)
+        ok = [n for n in self.open if units.get(n) and n not in selfc]
+        opts = []
+        for k in range(len(ok) + 1):
+            for combo in itertools.combinations(ok, k):
+                s = frozenset(combo) | fixed_here
+                if any(frozenset(p) in pairs for p in itertools.combinations(sorted(s), 2)):
+                    continue
+                opts.append(s)
+        return opts
+
+    def candidates(self) -> list:
+        """Every candidate layout (zero stage 0), invalid ones (the rewrite would refuse them)
+        and duplicates (same units) removed. Cached."""
+        if self._cands is not None:
+            return self._cands
+        per_axis = [[(a, s) for s in self.axis_options(a)] for a in self.mesh.names]
+        seen = {}
+        self.invalid = 0
+        overlapping = self._overlapping_names()
+        for combo in itertools.product(*per_axis):
+            cand = Candidate(tuple(combo))
+            if overlapping:
+                where = {}
+                for a, s in combo:
+                    if self.mesh.axes[a] > 1:
+                        for n in s:
+                            where[n] = where.get(n, ()) + (a,)
+                if any(n1 in where and n2 in where and where[n1] != where[n2] for n1, n2 in overlapping):
+                    # two names splitting the same leading atoms on different axes would split one
+                    # dim by both in no nesting the rewrite knows (the heads on dp, kv heads on tp)
+                    self.invalid += 1
+                    continue
+            multi = len({n for _, s in combo for n in s}) < sum(len(s) for _, s in combo)
+            if multi or self.extra:
+                # a name on several axes (its units depend on all of them), or glob entries
+                try:
+                    units = self._units(cand.layout(self.names, self.extra)).units
+                except self._LayoutError:
+                    self.invalid += 1
+                    continue
+                if not self._units_ok(units):
+                    self.invalid += 1
+                    continue
+                key = tuple((a, tuple(sorted(units[a]))) for a in self.mesh.names)
+            else:
+                # one axis per name: the units are the names' own, checked per axis already
+                key = tuple((a, tuple(sorted({u for n in s for u in self._name_units(a).get(n) or ()})))
+                            if self.mesh.axes[a] > 1 else (a, ()) for a, s in combo)
+            prev = seen.get(key)
+            # Same units, same program: keep the one naming the most dims (it says what is split).
+            if prev is None or sum(len(s) for _, s in combo) > sum(len(s) for _, s in prev.axes):
+                seen[key] = cand
+        self._cands = list(seen.values())
+        return self._cands
+
+    def _overlapping_names(self) -> list:
+        """Pairs of names whose dims start with the same atom (e.g. heads and kv_heads)."""
+        info = self.reduced.info if self.reduced is not None else self.info
+        firsts = {}
+        for n in self.names:
+            firsts[n] = {lv[0] for lvs in info.lookup(n).values() for lv in lvs if lv}
+        return [(a, b) for a, b in itertools.combinations(self.names, 2) if firsts[a] & firsts[b]]
+
+    def _units_ok(self, units) -> bool:
+        for key, _ in self._tensor_dims():
+            for a, us in units.items():
+                hits = 0
+                for lv in key:
+                    if any(lv[:len(u)] == u for u in us):
+                        hits += 1
+                if hits > 1:
+                    return False
+        return True
+
+    def space(self) -> list:
+        """Every (candidate, stage) pair."""
+        return [Candidate(c.axes, z, r) for c in self.candidates() for z, r in self._stage_options]
+
+    # ------------------------------------------------------------------ building programs
+    def _build(self, graph, inputs, info, layout, stage, reshard):
+        """The per-rank program, built exactly as ``autoshard.autoshard`` builds it."""
+        from autoshard.passes.spmd import resolve_layout
+        from autoshard.training import build_program
+
+        self.rewrites += 1
+        return build_program(graph, inputs, info, resolve_layout(info, layout, self.mesh), self.mesh,
+                             train=self.train, zero_stage=stage, reshard=bool(reshard),
+                             bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display)
+
+    def _bucketing(self, stage, axes) -> bool:
+        return bool(self.train and stage < 2 and axes and self.bucket_bytes)
+
+    def _full_state(self, cand: Candidate):
+        """Placements, storage and data axes of the whole graph (no rewrite needed)."""
+        from autoshard.passes.spmd import input_placements
+        if cand.axes not in self._places:
+            layout = cand.layout(self.names, self.extra)
+            r = self.reduced
+            if r is not None:
+                # identical blocks: a cut-away block's parameters are placed as the last kept one's
+                places = input_placements(r.graph, r.info, self._units(layout), self.mesh)
+            else:
+                places = input_placements(self.graph, self.info, self._units(layout, full=True), self.mesh)
+            axes = _data_axes([(places[i.name], self.mesh.names) for i in self._st_inputs
+                               if i.kind == "user" and i.name in places])
+            self._places[cand.axes] = (places, axes)
+        places, axes = self._places[cand.axes]
+        if cand.zero_stage and not axes:
+            raise self._LayoutError("zero_stage needs a data axis (an axis splitting the batch)")
+        storage = {}
+        if cand.zero_stage >= 2:
+            from autoshard.training import choose_storage
+            params = {n: self.vals[n] for n in self._st_grad}
+            storage = choose_storage(params, places, self.mesh, axes[0], cand.zero_stage, bool(cand.reshard))
+        in_places = []
+        for i in self._st_inputs:
+            p = places.get(i.name)
+            st = storage.get(i.name)
+            in_places.append(st.placement if st is not None else
+                             (p if p is not None else tuple(_R() for _ in self.mesh.names)))
+        return in_places, places, storage, axes
+
+    def segments(self, cand: Candidate):
+        """Expanded segments of the candidate's program (cached by program identity)."""
+        skey = (cand.axes, cand.zero_stage if cand.zero_stage >= 2 else 0, cand.reshard if cand.zero_stage == 3 else None)
+        if skey in self._segments:
+            return self._segments[skey]
+        if cand.zero_stage == 3 and not cand.reshard:
+            # The same program as with release after forward, less the second gathers: the
+            # rewrite differs only in which gathers it tags for release.
+            segs = self.segments(Candidate(cand.axes, 3, True))
+            segs = [_without_regathers(sg) for sg in segs]
+            self._segments[skey] = segs
+            return segs
+        layout = cand.layout(self.names, self.extra)
+        segs = None
+        if self.reduced is not None:
+            r = self.reduced
+            try:
+                program, _ = self._build(r.graph, r.inputs, r.info, layout, cand.zero_stage, cand.reshard)
+                raw = program_events(program, self.mesh, self.cm, {i.name for i in r.inputs if i.kind == "parameter"
+                                                                  and i.trainable}, self.vals)
+                segs = expand_segments(raw, r.family, r.n_blocks, r.kept)
+            except self._LayoutError:
+                segs = None  # e.g. a constraint naming a dim of a block cut away: use the whole graph
+        if segs is None:
+            program, _ = self._build(self.graph, self.inputs, self.info, layout, cand.zero_stage, cand.reshard)
+            segs = program_events(program, self.mesh, self.cm, self.grad_inputs, self.vals)
+        self._segments[skey] = segs
+        return segs
+
+    def state(self, cand: Candidate):
+        """(persistent state bytes, stored placements of the inputs, keyword args of the
+        state functions) of the whole model under ``cand``. Cached."""
+        if cand not in self._state:
+            in_places, places, storage, axes = self._full_state(cand)
+            kw = dict(zero_stage=cand.zero_stage, data_axes=axes, storage=storage, use_places=dict(places),
+                      counts=self._st_counts)
+            st = state_memory(self._st_inputs, self.vals, in_places, self.mesh, self.cm, train=self.train, **kw)
+            self._state[cand] = (st, in_places, kw)
+        return self._state[cand]
+
+    def evaluate(self, cand: Candidate) -> PlanCost:
+        """Predicted cost of the candidate's plan (raises LayoutError for an invalid one)."""
+        st, in_places, kw = self.state(cand)
+        segs = self.segments(cand)
+        opt = optimizer_collectives(self._st_inputs, self.vals, in_places, self.mesh, **kw) if self.train else []
+        elems, per, n = (optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
+                         if self.train else (0, 0, 0))
+        axes = kw["data_axes"]
+        return simulate(segs, self.mesh, self.cm, train=self.train, state=st, opt_colls=opt, opt_elems=elems,
+                        opt_elem_bytes=per, n_opt_tensors=n, zero_stage=cand.zero_stage,
+                        reshard=bool(cand.zero_stage == 3 and cand.reshard),
+                        bucket_axis=axes[0] if self._bucketing(cand.zero_stage, axes) else None,
+                        bucket_bytes=self.bucket_bytes)
+
+    # ------------------------------------------------------------------ lower bounds
+    def _prepare_bounds(self):
+        """Group the ops by the names that can touch them; per group and per set of axes
+        splitting them, the summed roofline time of their ops split that way."""
+        from autoshard.passes.spmd import requires_grad_nodes
+
+        if self.reduced is not None:
+            graph, info, mult_of = self.reduced.graph, self.reduced.info, self._multiplicity
+        else:
+            graph, info, mult_of = self.graph, self.info, (lambda n: 1)
+        first_atoms = {}
+        for n in self.names + list(self.extra):
+            for key, lvs in info.lookup(n).items():
+                for lv in lvs:
+                    if lv:
+                        first_atoms.setdefault(lv[0], set()).add(n)
+        self._first_atoms = {a: frozenset(ns) for a, ns in first_atoms.items()}
+        rg = requires_grad_nodes(graph, {i.name for i in (self.reduced.inputs if self.reduced else self.inputs)
+                                          if i.kind == "parameter" and i.trainable})
+        axes = [a for a in self.mesh.names if self.mesh.axes[a] > 1]
+        subsets = [frozenset(c) for k in range(len(axes) + 1) for c in itertools.combinations(axes, k)]
+        groups: dict = {}
+        bf = self.cm.backward_factor
+        for node in graph.nodes:
+            if node.op != "call_function" or node not in info.dims or node.target is _GETITEM:
+                continue
+            touch = set()
+            atoms_lists = []
+            for a in node.all_input_nodes:
+                if a in info.dims and info.dims[a]:
+                    atoms_lists += info.dims[a][0]
+            for outs in info.dims[node]:
+                atoms_lists += outs
+            for atoms in atoms_lists:
+                lv = info.leaves(atoms) if atoms else ()
+                if lv:
+                    touch |= first_atoms.get(lv[0], set())
+            val = node.meta.get("val")
+            outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+            mult = mult_of(node)
+            k = frozenset(touch)
+            g = groups.setdefault(k, {s: [0.0, 0.0, 0.0] for s in subsets})
+            out_bytes = sum(v.numel() * v.element_size() for v in outs) if node.target not in VIEW_OPS else 0
+            for s in subsets:
+                P = math.prod(self.mesh.axes[a] for a in s)
+                t = _split_seconds(self.cm, node, outs, P)
+                if self.train and node in rg:
+                    t *= 1 + bf
+                    g[s][1] += mult * out_bytes / P  # saved for backward
+                g[s][0] += mult * t
+                g[s][2] = max(g[s][2], out_bytes / P)
+        self._groups = groups
+
+    def _multiplicity(self, node) -> int:
+        from autoshard.passes.dims import module_of
+        b = block_of_module(module_of(node))
+        r = self.reduced
+        if b is not None and b[0] == r.family and b[1] == r.kept - 1:
+            return r.n_blocks - r.kept + 1
+        return 1
+
+    def bound(self, cand: Candidate) -> float:
+        """A lower bound on the candidate's step time: each op split at most by the axes that
+        shard one of the names touching it (plus the exact optimizer time)."""
+        return self._bounds(cand)[0] + self.optimizer_bound(cand)
+
+    def compute_bound(self, cand: Candidate) -> float:
+        """The compute part of :meth:`bound` (no placement work: the cheap first ordering)."""
+        return self._bounds(cand)[0]
+
+    def _bounds(self, cand: Candidate):
+        key = cand.axes
+        if key not in self._lb_cache:
+            sets = {a: set(names) | {k for k, v in self.extra.items() if v and a in v} for a, names in cand.axes}
+            total = saved = biggest = 0.0
+            for touch, table in self._groups.items():
+                s = frozenset(a for a, names in sets.items() if names & touch and self.mesh.axes[a] > 1)
+                total += table[s][0]
+                saved += table[s][1]
+                biggest = max(biggest, table[s][2])
+            self._lb_cache[key] = (total, saved, biggest)
+        return self._lb_cache[key]
+
+    def memory_bound(self, cand: Candidate) -> float:
+        """A lower bound on the candidate's peak bytes per rank: its exact persistent state
+        plus the activations its ops must at least produce (each split as far as its axes can
+        split it)."""
+        st, _, _ = self.state(cand)
+        _, saved, biggest = self._bounds(cand)
+        if self.train:
+            return st["total"] + saved
+        return st["params"] + st.get("buffers", 0.0) + 2 * biggest
+
+    # ------------------------------------------------------------------ communication bound
+    def _axis_records(self, axis, names: frozenset):
+        """Collectives on ``axis`` when it alone shards ``names`` (a one-axis rewrite): the
+        rewrite decides each axis's ownership independently of the others, so a candidate
+        with this axis option has at least these collectives on the axis, each moving at least
+        its bytes divided by the other axes that can split the value. Cached."""
+        from autoshard.mesh import Mesh
+        from autoshard.passes.spmd import resolve_layout, rewrite
+
+        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
+        size = self.mesh.axes[axis]
+        extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
+        key = ("axis-records", self.reduced is not None, size, names, extra1, self.train)
+        cache = self._shared
+        if key in cache:
+            return cache[key]
+        r = self.reduced
+        graph, info, inputs = (r.graph, r.info, r.inputs) if r is not None else (self.graph, self.info, self.inputs)
+        mesh1 = Mesh({"axis": size})
+        layout1 = {n: "axis" for n in names}
+        for k in extra1:
+            layout1[k] = "axis"
+        try:
+            resolved = resolve_layout(self._named_red, layout1, mesh1)
+            grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
+            self.rewrites += 1
+            program = rewrite(graph, info, resolved, mesh1, grad, self.display)
+        except self._LayoutError:
+            cache[key] = None
+            return None
+        nodes = {n.name: n for n in graph.nodes}
+        grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
+        per_block: dict = {}
+        recs = []
+        for c in program.collectives:
+            if c.phase != "forward" and not self.train or c.op == "grad_bucket":
+                continue  # gradient buckets are costed from the program's ready points
+            is_param = c.node in grad
+            if c.phase != "forward" and is_param:
+                continue  # a gradient sync: hidden under backward, or merged into buckets
+
+            src = nodes.get(c.node)
+            touch = frozenset()
+            if src is not None and src in info.dims and info.dims[src]:
+                for atoms in info.dims[src][0]:
+                    lv = info.leaves(atoms) if atoms else ()
+                    if lv:
+                        touch |= self._first_atoms.get(lv[0], frozenset())
+            blk = block_of_module(c.where)
+            rec = (c.kind, c.bytes, touch, is_param)
+            recs.append((rec, blk))
+            if blk is not None and r is not None and blk[0] == r.family:
+                per_block.setdefault(blk[1], []).append(rec)
+        steady = r is None or (sorted(per_block.get(r.kept - 2, []), key=repr) ==
+                               sorted(per_block.get(r.kept - 1, []), key=repr))
+        agg: dict = {}
+        for rec, blk in recs:
+            mult = 1
+            if r is not None and steady and blk == (r.family, r.kept - 1):
+                mult = r.n_blocks - r.kept + 1
+            agg[rec] = agg.get(rec, 0) + mult
+        out = (tuple(sorted(resolved.units["axis"])), agg)
+        cache[key] = out
+        return out
+
+    def comm_bound(self, cand: Candidate) -> float:
+        """A lower bound on the blocking communication time of ``cand`` (seconds)."""
+        if cand.axes in self._cb_cache and cand.zero_stage < 2:
+            return self._cb_cache[cand.axes]
+        try:
+            units2 = self._units(cand.layout(self.names, self.extra)).units
+        except self._LayoutError:
+            return 0.0
+        sets = {a: set(names) | {k for k, v in self.extra.items() if v and a in v} for a, names in cand.axes}
+        data_axis = None
+        if cand.zero_stage >= 2:
+            _, _, _, axes = self._full_state(cand)
+            data_axis = axes[0] if axes else None
+        total = 0.0
+        for a, names in cand.axes:
+            if self.mesh.axes[a] == 1:
+                continue
+            got = self._axis_records(a, names)
+            if got is None or got[0] != tuple(sorted(units2[a])):
+                continue
+            for (kind, nbytes, touch, is_param), mult in got[1].items():
+                if is_param and data_axis is not None and a == data_axis:
+                    continue  # stored sharded on this axis: other conversions
+                div = 1
+                for b, bnames in sets.items():
+                    if b != a and self.mesh.axes[b] > 1 and (bnames & touch or (is_param and b == data_axis)):
+                        div *= self.mesh.axes[b]
+                total += mult * collective_seconds(self.cm, self.mesh, kind, (a,), nbytes / div)
+        if cand.zero_stage == 3 and data_axis is not None:
+            total += self._zero3_gathers(cand, data_axis)
+        if cand.zero_stage < 2:
+            self._cb_cache[cand.axes] = total
+        return total
+
+    def _zero3_gathers(self, cand: Candidate, axis) -> float:
+        """ZeRO-3: every stored shard is gathered at least once in forward (and again in
+        backward when released after forward); blocking."""
+        from autoshard.ownership import Replicate
+        from .model import _local_numel
+        in_places, places, storage, _ = self._full_state(cand)
+        i_axis = self.mesh.names.index(axis)
+        total = 0.0
+        for inp, place, cnt in zip(self._st_inputs, in_places, self._st_counts):
+            st = storage.get(inp.name)
+            if st is None or not isinstance(places[inp.name][i_axis], Replicate):
+                continue
+            v = self.vals[inp.name]
+            nbytes = _local_numel(v.shape, place, self.mesh) * v.element_size()
+            total += cnt * (2 if cand.reshard else 1) * collective_seconds(self.cm, self.mesh, "all_gather", (axis,),
+                                                                           nbytes)
+        return total
+
+    def optimizer_bound(self, cand: Candidate) -> float:
+        """Exact optimizer-phase time (step traffic and ZeRO gathers, all blocking)."""
+        if not self.train:
+            return 0.0
+        if cand in self._ob_cache:
+            return self._ob_cache[cand]
+        st, in_places, kw = self.state(cand)
+        elems, per, n = optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
+        dev = self.cm.hardware.device
+        t = (elems * per) / (dev.mem_bandwidth * dev.mem_efficiency) + n * dev.op_overhead
+        for kind, axes, nbytes in optimizer_collectives(self._st_inputs, self.vals, in_places, self.mesh, **kw):
+            t += collective_seconds(self.cm, self.mesh, kind, axes, nbytes)
+        self._ob_cache[cand] = t
+        return t
+
+
+class _CachedNames:
+    """A read-only view of a DimInfo whose ``all_names`` / ``lookup`` are computed once (the
+    search resolves hundreds of layouts against names that no longer change)."""
+
+    def __init__(self, info):
+        self._info = info
+        self._all = None
+        self._look: dict = {}
+
+    def __getattr__(self, k):
+        return getattr(self._info, k)
+
+    def all_names(self):
+        if self._all is None:
+            self._all = self._info.all_names()
+        return self._all
+
+    def lookup(self, pattern):
+        if pattern not in self._look:
+            import fnmatch
+            names = self.all_names()
+            self._look[pattern] = ({pattern: names[pattern]} if pattern in names else
+                                   {n: lv for n, lv in names.items() if fnmatch.fnmatchcase(n, pattern)})
+        return self._look[pattern]
+
+
+def _without_regathers(seg):
+    import copy
+    from .model import Comm
+    out = copy.copy(seg)
+    out.items = [dataclasses.replace(it, regather_s=0.0, regather_bytes=0) if isinstance(it, Comm) and it.regather_s
+                 else it for it in seg.items]
+    return out
+
+
+def _split_seconds(cm, node, outs, P: int) -> float:
+    """Roofline time of ``node`` with every operand and result divided by ``P``."""
+    from .model import op_work, _dtype_of, _tensors
+    flops, nbytes = op_work(node.target, node.args, node.kwargs, outs)
+    dev = cm.hardware.device
+    dtype = _dtype_of(outs, _tensors(list(node.args), []))
+    if dtype not in dev.peak_flops:
+        dtype = "fp32" if "fp32" in dev.peak_flops else max(dev.peak_flops, key=dev.peak_flops.get)
+    if not (flops or nbytes):
+        return dev.op_overhead
+    from .compute import roofline_time
+    return roofline_time(flops / P, nbytes / P, dev, dtype=dtype) + dev.op_overhead
+
+
+import operator as _operator  # noqa: E402
+
+_GETITEM = _operator.getitem
+
+
+def _R():
+    from autoshard.ownership import R
+    return R
+
+
+def _data_axes(user_placements) -> list:
+    try:
+        from autoshard.training import data_axes
+        return data_axes(user_placements)
+    except ImportError:  # pragma: no cover - before state sharding exists
+        from autoshard.ownership import Shard
+        out = []
+        for place, names in user_placements:
+            for o, a in zip(place, names):
+                if isinstance(o, Shard) and a not in out:
+                    out.append(a)
+        return out
+
+
+# =========================================================================== the search
+
+
+def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: bool = False,
+                  refine: bool = True, incumbent=None) -> SearchResult:
+    """Best-first branch and bound over ``space``.
+
+    Every candidate gets a cheap lower bound (its compute, each op split as far as the axes
+    that can touch it split it); candidates are taken in bound order, and before one is
+    evaluated its bound is refined with the exact optimizer phase and the blocking
+    communication it cannot avoid (one-axis rewrites, cached per axis option). The search
+    stops when the next bound reaches the cost of the ``keep``-th best plan found (here or in
+    ``incumbent``, costs found on other meshes), so the best ``keep`` are exactly the best of the
+    space. Candidates over ``memory_limit`` (state plus least activations, then the evaluated
+    peak) are skipped. ``progress(done, total, best)`` is called after each evaluation; with ``verbose``
+    (or once the search has run 3 s) a progress line goes to stderr every 2 s."""
+    import gc
+    import warnings
+
+    from autoshard.passes.spmd import UnsupportedOpWarning
+
+    t0 = time.perf_counter()
+    gc_was = gc.isenabled()
+    gc.disable()  # the rewrites allocate many short-lived cyclic objects; collect once at the end
+    try:
+        with warnings.catch_warnings():
+            # ops without a rule warn once, when the chosen plan is built, not per candidate
+            warnings.simplefilter("ignore", UnsupportedOpWarning)
+            return _search(space, keep, progress, verbose, refine, incumbent, t0)
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+def _search(space, keep, progress, verbose, refine, incumbent, t0):
+    import heapq
+
+    pairs = space.space()
+    limit = space.memory_limit
+    heap = []
+    infeasible = 0
+    for k, c in enumerate(pairs):
+        try:
+            if limit is not None and space.memory_bound(c) > limit:
+                infeasible += 1
+                continue
+            heap.append((space.compute_bound(c), k, c, 2 if not refine else 0))
+        except space._LayoutError:
+            continue
+    heapq.heapify(heap)
+    total = len(heap)
+    found: list = []
+    over = None
+    evaluated = 0
+    popped = 0
+    invalid = space.invalid
+    last_print = t0
+    notes = []
+    while heap:
+        lb, k, c, level = heapq.heappop(heap)
+        costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
+        if len(costs) >= keep and lb >= costs[keep - 1]:
+            break  # nothing left can enter the best ``keep`` (of this and earlier meshes)
+        if level < 2:
+            # refine in two steps, cheapest first: the exact optimizer phase, then the
+            # communication the candidate cannot avoid (one-axis rewrites)
+            try:
+                more = space.optimizer_bound(c) if level == 0 else space.comm_bound(c)
+                heapq.heappush(heap, (lb + more, k, c, level + 1))
+            except space._LayoutError:  # e.g. a ZeRO stage without a data axis
+                invalid += 1
+            continue
+        popped += 1
+        try:
+            cost = space.evaluate(c)
+        except space._LayoutError:
+            invalid += 1
+            continue
+        evaluated += 1
+        if not cost.fits(limit):
+            infeasible += 1
+            if over is None or cost.step_time < over.cost.step_time:
+                over = Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh)
+            continue
+        found.append(Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh))
+        found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+        now = time.perf_counter()
+        if progress is not None:
+            progress(popped, total, found[0])
+        if (verbose or now - t0 > 3.0) and now - last_print > (0.0 if verbose else 2.0):
+            last_print = now
+            print(f"[autoshard] search on {space.mesh}: {evaluated} of {total} candidates evaluated "
+                  f"({total - len(heap)} bounded out or done), best {found[0].cost.step_time * 1e3:.3f} ms "
+                  f"({found[0].candidate.describe()})", file=sys.stderr, flush=True)
+    if not found and total and limit is not None:
+        notes.append(f"no candidate fits memory_limit={limit:.4g} bytes per rank")
+    best = found[0] if found else None
+    if over is not None and best is not None and over.cost.step_time >= best.cost.step_time * (1 - 1e-9):
+        over = None
+    return SearchResult(best, found[1:keep], space.mesh, len(pairs), evaluated,
+                        space.rewrites, time.perf_counter() - t0, space.reduced is not None, limit,
+                        infeasible, invalid, notes, over, [space.mesh])
+
+
+def factorizations(n: int, k: int) -> list:
+    """Every way to write ``n`` as an ordered product of ``k`` positive integers.
+
+    >>> factorizations(8, 2)
+    [(1, 8), (2, 4), (4, 2), (8, 1)]
+    """
+    if k == 1:
+        return [(n,)]
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out += [(d,) + rest for rest in factorizations(n // d, k - 1)]
+    return out
+
+
+def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = False, zero_stage=None,
+                reshard_after_forward=None, memory_limit=None, cost_model=None, bucket_mb: float = 25.0,
+                keep: int = 3, verbose: bool = False, display=None) -> SearchResult:
+    """Search every mesh of ``meshes`` (one, or all factorizations from ``Mesh.auto``) and
+    return the best plan over all of them; ``alternatives`` mixes meshes, cheapest first.
+    Raises LayoutError when no mesh admits the constraints, ValueError when nothing fits
+    ``memory_limit``."""
+    from autoshard.passes.spmd import LayoutError
+    from .model import resolve_cost_model
+
+    cm = resolve_cost_model(cost_model)
+    t0 = time.perf_counter()
+    results, errors = [], []
+    incumbent: list = []  # step times found on earlier meshes: they bound the later searches
+    shared: dict = {}  # the cut graph and one-axis records, the same for every mesh shape
+    # balanced shapes first: they usually hold the best plans, which then prune the others
+    order = sorted(meshes, key=lambda m: (max(m.axes.values()), list(meshes).index(m)))
+    for mesh in order:
+        try:
+            space = SearchSpace(graph, inputs, info, mesh, cm, train=train, constraints=constraints, shared=shared,
+                                memory_limit=memory_limit, zero_stage=zero_stage,
+                                reshard_after_forward=reshard_after_forward, display=display, bucket_mb=bucket_mb)
+        except LayoutError as e:
+            errors.append(e)
+            continue
+        r = search_layout(space, keep=keep, verbose=verbose, incumbent=incumbent)
+        incumbent += [e.cost.step_time for e in ([r.best] if r.best else []) + r.alternatives]
+        if verbose and len(meshes) > 1:
+            print(f"[autoshard] mesh {mesh}: " + (f"best {r.best.cost.step_time * 1e3:.3f} ms" if r.best else "no plan"),
+                  file=sys.stderr, flush=True)
+        results.append(r)
+    if not results:
+        raise errors[0]
+    ranked = sorted([e for r in results for e in ([r.best] if r.best else []) + r.alternatives],
+                    key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+    if not ranked:
+        overs = [r.best_infeasible for r in results if r.best_infeasible is not None]
+        msg = (f"no plan fits memory_limit={memory_limit:.4g} bytes per rank"
+               if memory_limit is not None else "no valid plan in the search space")
+        if overs:
+            o = min(overs, key=lambda e: e.cost.memory["peak"])
+            msg += f"; the leanest evaluated needs {o.cost.memory['peak']:.4g} ({o.candidate.describe()} on {o.mesh})"
+        raise ValueError(msg)
+    overs = [r.best_infeasible for r in results if r.best_infeasible is not None]
+    over = min(overs, key=lambda e: e.cost.step_time) if overs else None
+    if over is not None and over.cost.step_time >= ranked[0].cost.step_time * (1 - 1e-9):
+        over = None
+    best = ranked[0]
+    return SearchResult(best, ranked[1:keep], best.mesh, sum(r.space_size for r in results),
+                        sum(r.evaluated for r in results), sum(r.rewrites for r in results),
+                        time.perf_counter() - t0, all(r.reduced for r in results), memory_limit,
+                        sum(r.infeasible for r in results), sum(r.invalid for r in results),
+                        [n for r in results for n in r.notes], over, [m for m in meshes if any(r.mesh == m for r in results)])
