@@ -319,17 +319,16 @@ def _launch(cmd, timeout) -> int:
 
 
 def cmd_calibrate(ns) -> int:
+    from autoshard.cost import calibrate
+    from autoshard.cost.calibrate import parse_mesh
+
     try:
-        from autoshard import cost
-    except ImportError:
-        cost = None
-    fn = getattr(cost, "calibrate", None)
-    if fn is None:
-        raise UsageError("calibrate is not available yet", "the cost model's calibration is still being built; "
-                         "plans use the hardware presets of autoshard.cost meanwhile")
-    result = fn(*ns.rest) if ns.rest else fn()
-    if result is not None:
-        print(result)
+        mesh_axes = parse_mesh(ns.mesh)
+    except ValueError as e:
+        raise UsageError(str(e), "calibrate dp=2,tp=2 [NPROCS] [OUT.json]") from None
+    hw = calibrate(mesh_axes, ns.nprocs, ns.out_path)
+    print(f"calibrated {dict(mesh_axes)}" + (f"; written to {ns.out_path} (use it with hardware='{ns.out_path}')"
+                                     if ns.out_path else ""))
     return 0
 
 
@@ -388,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_run)
 
     sp = sub.add_parser("calibrate", help="measure this machine's compute and links for the cost model")
-    sp.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    sp.add_argument("mesh", nargs="?", default="x=2", help="mesh axes to measure, e.g. dp=2,tp=2 (default x=2)")
+    sp.add_argument("nprocs", nargs="?", type=int, help="processes to start (the mesh size)")
+    sp.add_argument("out_path", nargs="?", help="hardware JSON file to write")
     sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     sp.set_defaults(func=cmd_calibrate)
     return p

@@ -91,13 +91,10 @@ def test_user_mistakes_are_one_line_with_a_hint(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
-def test_calibrate_is_available_or_says_so(capsys):
-    from autoshard import cost
-
-    if hasattr(cost, "calibrate"):
-        pytest.skip("the cost model provides calibrate; its own tests cover it")
-    rc, out, err = run_cli(capsys, "calibrate")
-    assert rc == 2 and "calibrate is not available yet" in err
+def test_calibrate_rejects_a_bad_mesh_in_one_line(capsys):
+    # A real calibration spawns gloo processes; tests/test_search.py runs one.
+    rc, out, err = run_cli(capsys, "calibrate", "nonsense")
+    assert rc == 2 and err.count("\n") == 1 and "mesh 'nonsense'" in err and "(hint: " in err
 
 
 def test_module_entry_point():
