@@ -420,10 +420,7 @@ def _library_hint(e: BaseException):
     """Hint for an error the library raises on bad user input; None for a bug (traceback)."""
     from autoshard import LayoutError
 
-    try:
-        from autoshard.passes.export import ExportError
-    except ImportError:  # pragma: no cover
-        ExportError = ()  # noqa: N806
+    from autoshard.passes.export import ExportError
     if isinstance(e, LayoutError):
         return "`autoshard plan` without --layout lists the named dims; check names and mesh axes"
     if isinstance(e, NotImplementedError):

@@ -310,8 +310,8 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
     by_tag: dict = {}
     for c in program.collectives:
         by_tag.setdefault(c.tag, []).append(c)
-    reshard = getattr(program, "reshard_tags", frozenset()) or frozenset()
-    bucketed = set(getattr(program, "bucketed", ()) or ())
+    reshard = program.reshard_tags
+    bucketed = set(program.bucketed)
     ready_seen: set = set()
     segs: list = []
     cur: Optional[Segment] = None
@@ -438,11 +438,9 @@ def state_memory(inputs, vals: dict, input_places: list, mesh, cm: CostModel, *,
 
 
 def _slice_dim(use_place, shape, mesh, axis):
-    from autoshard.ownership import Shard
-    for d, size in enumerate(shape):
-        if not any(isinstance(o, Shard) and o.dim == d for o in use_place) and size % mesh.axes[axis] == 0:
-            return d
-    return None
+    """ZeRO-1's optimizer slice dim, as the runtime chooses it."""
+    from autoshard.training import slice_dim_for
+    return slice_dim_for(use_place, shape, mesh, axis)
 
 
 def optimizer_collectives(inputs, vals, input_places, mesh, *, zero_stage: int, data_axes=(), storage=None,
@@ -695,14 +693,14 @@ def program_cost(program, inputs, vals, mesh, cm: CostModel, *, train: bool, zer
     param_names = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     if segments is None:
         segments = program_events(program, mesh, cm, param_names, vals)
-    storage = getattr(program, "storage", {}) or {}
+    storage = program.storage
     use_places = getattr(program, "use_placements", {}) or {}
     kw = dict(zero_stage=zero_stage, data_axes=list(data_axes), storage=storage, use_places=use_places)
     state = state_memory(inputs, vals, program.input_placements, mesh, cm, train=train, **kw)
     opt = optimizer_collectives(inputs, vals, program.input_placements, mesh, **kw) if train else []
     elems, per, n = optimizer_work(inputs, vals, program.input_placements, mesh, cm, **kw) if train else (0, 0, 0)
-    reshard = bool(getattr(program, "reshard_tags", None))
-    bucketed = bool(getattr(program, "bucketed", None))
+    reshard = bool(program.reshard_tags)
+    bucketed = bool(program.bucketed)
     return simulate(segments, mesh, cm, train=train, state=state, opt_colls=opt, opt_elems=elems, opt_elem_bytes=per,
                     n_opt_tensors=n, zero_stage=zero_stage, reshard=reshard,
                     bucket_axis=data_axes[0] if bucketed and data_axes else None, bucket_bytes=bucket_bytes)

@@ -64,7 +64,7 @@ def plan_cost(plan) -> PlanCost:
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
     bucket_mb = getattr(plan, "bucket_mb", 25.0)
     cost = program_cost(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
-                        zero_stage=getattr(plan, "zero_stage", 0), data_axes=getattr(plan, "data_axes", []) or [],
+                        zero_stage=plan.zero_stage, data_axes=plan.data_axes,
                         bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
     try:
         plan._autoshard_cost = cost

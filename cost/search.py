@@ -931,17 +931,8 @@ def _R():
 
 
 def _data_axes(user_placements) -> list:
-    try:
-        from autoshard.training import data_axes
-        return data_axes(user_placements)
-    except ImportError:  # pragma: no cover - before state sharding exists
-        from autoshard.ownership import Shard
-        out = []
-        for place, names in user_placements:
-            for o, a in zip(place, names):
-                if isinstance(o, Shard) and a not in out:
-                    out.append(a)
-        return out
+    from autoshard.training import data_axes
+    return data_axes(user_placements)
 
 
 # =========================================================================== the search

@@ -221,7 +221,7 @@ def _program_header(plan) -> str:
         key = f"{c.phase} {c.kind} on {','.join(c.axes)}"
         counts[key] = counts.get(key, 0) + 1
     summary = "\n".join(f"  {v:3d} x {k}" for k, v in sorted(counts.items())) or "  none"
-    buckets = getattr(plan.program, "buckets", None)
+    buckets = plan.program.buckets
     if buckets:
         n = sum(len(names) for _, names in buckets)
         summary += (f"\nThe data-parallel gradient sum of {n} replicated parameters is not in this file: run.py\n"
@@ -280,10 +280,7 @@ def _int_bound(plan, node_name: str, example) -> Optional[int]:
 
 def _placeholders(plan):
     """(placeholder name, kind, index into captured.inputs) of the per-rank program, in order."""
-    ph = getattr(plan.program, "placeholders", None)
-    if ph:
-        return list(ph)
-    return [(inp.name, "input", i) for i, inp in enumerate(plan.captured.inputs)]
+    return list(plan.program.placeholders)
 
 
 def _inputs_meta(plan, user_examples: Optional[list]) -> list:
@@ -294,13 +291,10 @@ def _inputs_meta(plan, user_examples: Optional[list]) -> list:
     meta = []
     users = iter(user_examples) if user_examples is not None else None
     nodes = {n.name: n for n in plan.captured.graph.nodes if n.op == "placeholder"}
-    storage = getattr(prog, "storage", None) or {}
-    uses = getattr(prog, "use_placements", None) or {}
-    zero, axes = getattr(plan, "zero_stage", 0) or 0, list(getattr(plan, "data_axes", None) or [])
-    try:
-        from autoshard.training import slice_dim_for
-    except ImportError:  # pragma: no cover - a library without training plans
-        slice_dim_for = None
+    storage = prog.storage
+    uses = prog.use_placements
+    zero, axes = plan.zero_stage, list(plan.data_axes)
+    from autoshard.training import slice_dim_for
     for name, kind, index in _placeholders(plan):
         inp = plan.captured.inputs[index]
         place = prog.input_placements[index]
@@ -323,7 +317,7 @@ def _inputs_meta(plan, user_examples: Optional[list]) -> list:
                     entry["use_placement"] = placement_to_str(use)
                     entry["storage"] = {"mode": st.mode, "axis": st.axis, "dim": st.dim, "stage": st.stage,
                                         "reshard": bool(st.reshard)}
-                if zero == 1 and axes and inp.trainable and slice_dim_for is not None:
+                if zero == 1 and axes and inp.trainable:
                     d = slice_dim_for(uses.get(inp.name, place), val.shape, mesh, axes[0])
                     if d is not None:
                         entry["zero1"] = {"axis": axes[0], "dim": d}
@@ -337,8 +331,8 @@ def _inputs_meta(plan, user_examples: Optional[list]) -> list:
 
 def _grad_buckets(plan):
     """Data-parallel gradient buckets of a training plan (the sync the program leaves to hooks)."""
-    buckets = getattr(plan.program, "buckets", None)
-    axes = getattr(plan, "data_axes", None)
+    buckets = plan.program.buckets
+    axes = plan.data_axes
     if not buckets or not axes:
         return None
     return {"axis": axes[0], "buckets": [{"tag": tag, "params": list(names)} for tag, names in buckets]}
@@ -362,7 +356,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         cost = _jsonable(plan.cost)
     except Exception as e:  # noqa: BLE001 - the cost model is optional for running
         cost = {"error": f"{type(e).__name__}: {e}"}
-    zero = getattr(plan, "zero_stage", None)
+    zero = plan.zero_stage
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -374,14 +368,14 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "layout": {k: list(v) for k, v in plan.layout.items()},
         "train": bool(plan.train),
         "zero_stage": zero,
-        "data_axes": list(getattr(plan, "data_axes", None) or []),
+        "data_axes": list(plan.data_axes),
         "program": PROGRAM,
         "inputs": inputs_meta,
         "outputs": out_meta,
         "out_spec": out_spec,
         "loss_output": plan.loss_index(),
         "aliases": dict(plan.captured.aliases),
-        "reshard_tags": sorted(getattr(plan.program, "reshard_tags", ()) or ()),
+        "reshard_tags": sorted(plan.program.reshard_tags),
         "grad_buckets": _grad_buckets(plan),
         "weights": {"file": weights_file, "checkpoint": checkpoint},
         "example_inputs": INPUTS if has_inputs else None,
@@ -472,9 +466,6 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         if not overwrite:
             raise ExportError(f"{path} exists and is not empty (hint: choose a new directory, or replace it with overwrite=True / --force)")
-    if args is None and kwargs is None:
-        args = getattr(plan, "example_args", None)
-        kwargs = getattr(plan, "example_kwargs", None)
     has_inputs = args is not None or kwargs is not None
     flat_user = plan.captured.flatten_args(args or (), kwargs or {}) if has_inputs else None
     meta_model = any(isinstance(t, torch.Tensor) and t.is_meta for t in plan.captured.state.values())
