@@ -1,6 +1,5 @@
 """Core acceptance: capture -> named dims -> SPMD rewrite, exact on the simulated mesh."""
 import collections
-import re
 import sys
 from pathlib import Path
 
@@ -14,27 +13,11 @@ from autoshard import LayoutError, Mesh, UnsupportedOpWarning
 from autoshard.ownership import local_piece
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from exactness import assert_exact, block_of  # noqa: E402
 from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
 
 TP = {"heads": "tp", "ffn": "tp"}
 DP_TP = {"batch": "dp", "heads": "tp", "ffn": "tp"}
-
-
-def reference(model, args):
-    model.zero_grad()
-    out = model(*args)
-    out.backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_exact(plan, model, args):
-    ref_out, ref_grads = reference(model, args)
-    torch.testing.assert_close(plan.simulate(*args), ref_out, rtol=1e-5, atol=1e-6)
-    out, grads = plan.simulate_grads(*args)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
-    assert set(ref_grads) <= set(grads)  # tied parameters are also listed under their alias
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 # --------------------------------------------------------------------------- seed examples
@@ -143,11 +126,6 @@ def test_gpt2_exact(mesh, layout):
     plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=dims, layout=layout)
     assert not plan.program.fallbacks
     assert_exact(plan, model, args)
-
-
-def block_of(where: str):
-    m = re.match(r"layers\.(\d+)(\.|$)", where)
-    return int(m.group(1)) if m else None
 
 
 def test_llama_collective_counts_megatron_and_ddp():

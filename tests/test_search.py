@@ -22,31 +22,12 @@ from autoshard.cost.model import CostModel, Comm, Ready, Segment, simulate
 from autoshard.cost.search import SearchSpace, factorizations, search_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from exactness import assert_exact, block_of  # noqa: E402
 from examples.models import llama_8b_meta, llama_tiny  # noqa: E402
 
 # Compute-bound toy hardware: slow device, fast links (so splitting work pays off on tiny models).
 SLOW = Hardware("slow-compute", DeviceSpec("slow", {"fp32": 1e9}, mem_bandwidth=1e10, mem_capacity=1e12),
                 (LinkSpec(1e11, latency=1e-6, name="fast"),))
-
-
-def block_of(where: str):
-    m = re.match(r"layers\.(\d+)(\.|$)", where)
-    return int(m.group(1)) if m else None
-
-
-def reference(model, args):
-    model.zero_grad()
-    out = model(*args)
-    out.backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_exact(plan, model, args):
-    ref_out, ref_grads = reference(model, args)
-    out, grads = plan.simulate_grads(*args)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def small_llama_meta(**over):

@@ -1,0 +1,29 @@
+"""Shared checks: a plan against the unsharded model (imported by the test modules)."""
+import re
+
+import torch
+
+
+def reference(model, args):
+    """The model's output and every parameter's gradient, on one device."""
+    model.zero_grad()
+    out = model(*args)
+    out.backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_exact(plan, model, args):
+    """simulate and simulate_grads equal the unsharded forward and gradients (fp32 bounds)."""
+    ref_out, ref_grads = reference(model, args)
+    torch.testing.assert_close(plan.simulate(*args), ref_out, rtol=1e-5, atol=1e-6)
+    out, grads = plan.simulate_grads(*args)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    assert set(ref_grads) <= set(grads)  # tied parameters are also listed under their alias
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def block_of(where: str):
+    """The transformer block index of a module FQN ('layers.3.mlp' -> 3), else None."""
+    m = re.match(r"layers\.(\d+)(\.|$)", where)
+    return int(m.group(1)) if m else None
