@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
 from .mesh import Mesh
-from .ownership import Partial, Replicate, Shard, assemble, describe, local_piece, local_shape
+from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
 from .runtime.context import current
 from .training import (LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes,

@@ -399,6 +399,17 @@ def _local_numel(shape, place, mesh) -> int:
     return n
 
 
+def _state_inputs(inputs, vals, input_places, use_places, counts, kinds=("parameter",), trainable=True):
+    """(input, global tensor, element size, stored placement, use placement, copies) for the
+    tensor inputs of ``kinds`` (only trainable parameters when ``trainable``)."""
+    for inp, place, cnt in zip(inputs, input_places, counts or [1] * len(inputs)):
+        if inp.kind not in kinds or (trainable and not inp.trainable):
+            continue
+        v = vals.get(inp.name)
+        if isinstance(v, torch.Tensor):
+            yield inp, v, v.element_size(), place, use_places.get(inp.name, place), cnt
+
+
 def state_memory(inputs, vals: dict, input_places: list, mesh, cm: CostModel, *, train: bool,
                  zero_stage: int = 0, data_axes=(), storage=None, use_places=None, counts=None) -> dict:
     """Persistent bytes per rank: parameters (and buffers), gradients, optimizer state.
@@ -412,14 +423,8 @@ def state_memory(inputs, vals: dict, input_places: list, mesh, cm: CostModel, *,
     storage = storage or {}
     use_places = use_places or {}
     out = {"params": 0.0, "buffers": 0.0, "grads": 0.0, "optimizer": 0.0}
-    for inp, place, cnt in zip(inputs, input_places, counts or [1] * len(inputs)):
-        if inp.kind not in ("parameter", "buffer", "constant"):
-            continue
-        v = vals.get(inp.name)
-        if not isinstance(v, torch.Tensor):
-            continue
-        es = v.element_size()
-        use = use_places.get(inp.name, place)
+    for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts,
+                                                     ("parameter", "buffer", "constant"), trainable=False):
         stored = _local_numel(v.shape, place, mesh)
         use_n = _local_numel(v.shape, use, mesh)
         st = storage.get(inp.name)
@@ -450,14 +455,7 @@ def optimizer_collectives(inputs, vals, input_places, mesh, *, zero_stage: int, 
     storage = storage or {}
     use_places = use_places or {}
     out = []
-    for inp, place, cnt in zip(inputs, input_places, counts or [1] * len(inputs)):
-        if inp.kind != "parameter" or not inp.trainable:
-            continue
-        v = vals.get(inp.name)
-        if not isinstance(v, torch.Tensor):
-            continue
-        es = v.element_size()
-        use = use_places.get(inp.name, place)
+    for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts):
         if zero_stage == 1 and data_axes:
             axis = data_axes[0]
             if _slice_dim(use, v.shape, mesh, axis) is not None:
@@ -666,14 +664,7 @@ def optimizer_work(inputs, vals, input_places, mesh, cm: CostModel, *, zero_stag
     elems = 0.0
     nbytes = 0.0
     n = 0
-    for inp, place, cnt in zip(inputs, input_places, counts or [1] * len(inputs)):
-        if inp.kind != "parameter" or not inp.trainable:
-            continue
-        v = vals.get(inp.name)
-        if not isinstance(v, torch.Tensor):
-            continue
-        es = v.element_size()
-        use = use_places.get(inp.name, place)
+    for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts):
         k = _local_numel(v.shape, place, mesh)
         if zero_stage == 1 and data_axes and _slice_dim(use, v.shape, mesh, data_axes[0]) is not None:
             k = _local_numel(v.shape, use, mesh) // mesh.axes[data_axes[0]]
@@ -694,7 +685,7 @@ def program_cost(program, inputs, vals, mesh, cm: CostModel, *, train: bool, zer
     if segments is None:
         segments = program_events(program, mesh, cm, param_names, vals)
     storage = program.storage
-    use_places = getattr(program, "use_placements", {}) or {}
+    use_places = program.use_placements
     kw = dict(zero_stage=zero_stage, data_axes=list(data_axes), storage=storage, use_places=use_places)
     state = state_memory(inputs, vals, program.input_placements, mesh, cm, train=train, **kw)
     opt = optimizer_collectives(inputs, vals, program.input_placements, mesh, **kw) if train else []

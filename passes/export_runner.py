@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from datetime import timedelta
