@@ -6,10 +6,33 @@ Example::
     >>> mesh = autoshard.Mesh({"dp": 2, "tp": 2})
     >>> mesh.size
     4
-"""
-from .mesh import Mesh
-from .plan import Plan
-from .api import autoshard
-from autoshard.passes.spmd import LayoutError, UnsupportedOpWarning
 
-__all__ = ["Mesh", "Plan", "autoshard", "LayoutError", "UnsupportedOpWarning"]
+The planner's names (``autoshard.autoshard``, ``Plan``, ``LayoutError``, ...) load on first use,
+so the runtime (``autoshard.runtime``, what an exported run.py needs) and the command line's
+``--help`` do not import the planner, the cost model and their dependencies.
+"""
+import importlib
+
+from .mesh import Mesh
+
+# public name -> module that defines it (imported when the name is first read)
+_FACADE = {
+    "autoshard": "autoshard.api",
+    "Plan": "autoshard.plan",
+    "LayoutError": "autoshard.passes.spmd",
+    "UnsupportedOpWarning": "autoshard.passes.spmd",
+}
+
+__all__ = ["Mesh", *_FACADE]
+
+
+def __getattr__(name):
+    if name in _FACADE:
+        value = getattr(importlib.import_module(_FACADE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FACADE))

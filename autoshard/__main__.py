@@ -1,10 +1,10 @@
 """``python -m autoshard`` — see :mod:`autoshard.cli`."""
 import sys
 
+from autoshard.cli import main as cli_main
+
 
 def main(argv=None) -> int:
-    from autoshard.cli import main as cli_main
-
     return cli_main(argv)
 
 

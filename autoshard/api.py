@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import re
 import sys
 import time
 from typing import Optional
@@ -29,7 +30,9 @@ from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.spmd import LayoutError, resolve_layout
-from .training import build_program
+from autoshard.cost.model import resolve_cost_model
+from autoshard.cost.search import plan_search
+from autoshard.passes.program import build_program
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
@@ -77,9 +80,6 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     # search (autoshard.cost): the layout, mesh shape and state sharding the cost model prefers
     search_result, cost_model = None, None
     if searching:
-        from autoshard.cost.model import resolve_cost_model
-        from autoshard.cost.search import plan_search
-
         t = time.perf_counter()
         cost_model = resolve_cost_model(hardware)
         search_result = plan_search(
@@ -111,7 +111,6 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
 
 
 def _cost_model(hardware):
-    from autoshard.cost.model import resolve_cost_model
     return resolve_cost_model(hardware)
 
 
@@ -152,7 +151,6 @@ def parse_bytes(v) -> Optional[float]:
         if v <= 0:
             raise ValueError(f"memory_limit must be positive, got {v!r}")
         return float(v)
-    import re
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(v))
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"memory_limit {v!r}: give bytes or a string such as '80GB' or '64GiB'")

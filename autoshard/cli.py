@@ -145,6 +145,7 @@ def load_factory(target: str):
 
 def call_factory(fn, target: str, kwargs: dict):
     """``(model, args, kwargs, dims)`` from the factory's return value."""
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     import torch
 
     try:
@@ -183,6 +184,7 @@ def _first_line(e: BaseException) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def _make_plan(ns):
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     import autoshard
 
     mesh = autoshard.Mesh(parse_mesh(ns.mesh))
@@ -195,6 +197,7 @@ def _make_plan(ns):
     if ns.zero_stage is not None:
         options["zero_stage"] = ns.zero_stage
     if ns.memory_limit is not None:
+        # deferred: torch is heavy; --help and typing mistakes answer without loading it
         from autoshard.api import parse_bytes
 
         try:
@@ -214,6 +217,7 @@ def cmd_plan(ns) -> int:
 
 def explain(plan) -> str:
     """A compact view: layout, what is sharded, every collective with its reason."""
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from tabulate import tabulate
 
     from autoshard.ownership import Replicate, describe
@@ -257,6 +261,7 @@ def cmd_explain(ns) -> int:
 
 
 def _export(plan, args, kwargs, out, ns):
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.passes.export import export_plan
 
     return export_plan(plan, out, args, kwargs, weights=ns.weights,
@@ -264,6 +269,7 @@ def _export(plan, args, kwargs, out, ns):
 
 
 def cmd_export(ns) -> int:
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.passes.export import torchrun_command
 
     plan, args, kwargs = _make_plan(ns)
@@ -276,6 +282,7 @@ def cmd_export(ns) -> int:
 
 
 def cmd_run(ns) -> int:
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.passes.export import torchrun_command
 
     plan, args, kwargs = _make_plan(ns)
@@ -319,6 +326,7 @@ def _launch(cmd, timeout) -> int:
 
 
 def cmd_calibrate(ns) -> int:
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.cost import calibrate
     from autoshard.cost.calibrate import parse_mesh
 
@@ -418,6 +426,7 @@ def main(argv=None) -> int:
 
 def _library_hint(e: BaseException):
     """Hint for an error the library raises on bad user input; None for a bug (traceback)."""
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard import LayoutError
 
     from autoshard.passes.export import ExportError

@@ -124,7 +124,6 @@ class AutoMesh:
 
     def meshes(self) -> list:
         """One :class:`Mesh` per ordered factorization of the device count."""
-        from autoshard.cost.search import factorizations
         return [Mesh(dict(zip(self.axes, f))) for f in factorizations(self.n_devices, len(self.axes))]
 
     @property
@@ -133,3 +132,18 @@ class AutoMesh:
 
     def __repr__(self):
         return f"Mesh.auto({self.n_devices}, axes={self.axes})"
+
+
+def factorizations(n: int, k: int) -> list:
+    """Every way to write ``n`` as an ordered product of ``k`` positive integers.
+
+    >>> factorizations(8, 2)
+    [(1, 8), (2, 4), (4, 2), (8, 1)]
+    """
+    if k == 1:
+        return [(n,)]
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out += [(d,) + rest for rest in factorizations(n // d, k - 1)]
+    return out

@@ -132,3 +132,33 @@ def assemble(pieces: list, place, mesh, shape=None) -> torch.Tensor:
         else:
             out[tuple(index)] = piece
     return out
+
+
+@dataclass(frozen=True)
+class ParamStorage:
+    """How a parameter is stored between uses when its state is sharded on a data axis."""
+
+    placement: tuple  # stored placement: the use placement plus Shard(dim) on ``axis``
+    axis: str
+    dim: int
+    stage: int  # ZeRO stage 2 or 3 (stage 1 stores parameters whole)
+    mode: str  # "persistent" (ZeRO-2: full copy refreshed by the optimizer) | "gather" (ZeRO-3)
+    reshard: bool = False  # ZeRO-3: release the gathered parameter after forward
+
+
+def data_axes(user_placements) -> list[str]:
+    """Mesh axes that split a user input (the batch): the data-parallel axes."""
+    axes = []
+    for place, names in user_placements:
+        for o, a in zip(place, names):
+            if isinstance(o, Shard) and a not in axes:
+                axes.append(a)
+    return axes
+
+
+def slice_dim_for(use_place, shape, mesh, axis):
+    """ZeRO-1's optimizer slice: the first dim no other axis splits that ``axis`` divides."""
+    for d, size in enumerate(shape):
+        if not any(isinstance(o, Shard) and o.dim == d for o in use_place) and size % mesh.axes[axis] == 0:
+            return d
+    return None

@@ -20,9 +20,11 @@ from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
 from .runtime.context import current
-from .training import (LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes,
-                       slice_dim_for)
+from .ownership import slice_dim_for
+from .runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
+from autoshard.cost.report import alternatives, cost_report, explain
 from autoshard.passes.dims import module_of
+from autoshard.passes.export import export_plan
 
 
 @dataclass
@@ -145,7 +147,7 @@ class Plan:
     # ------------------------------------------------------------------ training
     def build(self, rank: int) -> LocalModule:
         """This rank's program with its parameter pieces as stored (call it inside a rank
-        context). See :mod:`autoshard.training`."""
+        context). See :mod:`autoshard.runtime.local`."""
         return LocalModule(self.rank_spec(), rank, lambda slot: self.captured.state[slot.target])
 
     def rank_spec(self) -> RankSpec:
@@ -309,8 +311,6 @@ class Plan:
 
             plan.export("out/llama", args)   # then: torchrun --nproc-per-node=4 out/llama/run.py --check
         """
-        from autoshard.passes.export import export_plan
-
         return export_plan(self, path, args, kwargs, **options)
 
     # ------------------------------------------------------------------ cost model (autoshard.cost)
@@ -320,20 +320,14 @@ class Plan:
         ``step_time`` = ``compute`` + exposed communication (``comm_exposed`` by (axis, phase)),
         ``memory`` (persistent and peak bytes), plus ``comm_bytes`` by (phase, axis) and
         ``state_bytes_per_rank``. Uses the hardware the plan was made for (``hardware=``)."""
-        from autoshard.cost.report import cost_report
-
         return cost_report(self)
 
     @property
     def alternatives(self) -> list:
         """The best other candidates of the layout search, cheapest first (``mesh``,
         ``layout``, ``zero_stage``, ``step_time``, ``cost``); empty when the layout was given."""
-        from autoshard.cost.report import alternatives
-
         return alternatives(self)
 
     def explain(self) -> str:
         """Why this plan: its predicted cost, and what makes the runner-up slower."""
-        from autoshard.cost.report import explain
-
         return explain(self)

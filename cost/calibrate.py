@@ -30,7 +30,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
+from autoshard.mesh import Mesh
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.collectives import all_gather, all_reduce, reduce_scatter
+from autoshard.runtime.launch import spawn
+
+from .comm import R, collective_bytes, collective_steps_formula
 from .hardware import DeviceSpec, Hardware, LinkSpec, load_hardware
+from .model import payload_bytes
 
 __all__ = ["calibrate", "fit_alpha_beta", "parse_mesh"]
 
@@ -56,8 +66,6 @@ def parse_mesh(spec) -> dict:
 
 
 def _steps_and_sent(kind: str, input_bytes: float, ranks: int) -> tuple[float, float]:
-    from .comm import collective_bytes, collective_steps_formula, R
-    from .model import payload_bytes
     steps = float(collective_steps_formula(kind).subs(R, ranks))
     return steps, collective_bytes(kind, payload_bytes(kind, input_bytes, ranks), ranks)
 
@@ -70,8 +78,6 @@ def fit_alpha_beta(samples) -> tuple[float, float]:
     >>> round(a * 1e6, 3), round(1 / b / 1e9, 3)     # 100 us per step, 1 GB/s
     (100.0, 1.0)
     """
-    import torch
-
     rows = [(s / t, b / t) for s, b, t in samples if t > 0]
     A = torch.tensor(rows, dtype=torch.float64)
     y = torch.ones(len(rows), dtype=torch.float64)
@@ -116,13 +122,6 @@ def _rate(fn, work: float, seconds: float = 0.1, windows: int = 5, barrier=None)
 
 def _worker(rank, world, mesh_axes, sizes, repeats, device):
     """One rank: time collectives on every axis, then compute, all ranks together."""
-    import torch
-    import torch.distributed as dist
-
-    from autoshard.mesh import Mesh
-    from autoshard.runtime import DistributedBackend, rank_context
-    from autoshard.runtime.collectives import all_gather, all_reduce, reduce_scatter
-
     mesh = Mesh(mesh_axes)
     backend = DistributedBackend(mesh, device_type=device)
     dev = torch.device(device if device == "cpu" else f"{device}:{rank % max(1, torch.cuda.device_count())}")
@@ -162,8 +161,6 @@ def calibrate(mesh_axes=None, nprocs=None, out_path: Optional[str] = None, *, ba
     ``mesh_axes``: ``{"dp": 2, "tp": 2}`` or ``"dp=2,tp=2"`` (default ``{"x": 2}``);
     ``nprocs``: processes to start (default: the mesh size; must equal it); ``base``: the preset
     whose memory capacity is kept; ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (nccl)."""
-    from autoshard.runtime.launch import spawn
-
     mesh_axes = parse_mesh(mesh_axes)
     size = math.prod(mesh_axes.values())
     nprocs = int(nprocs) if nprocs is not None else size

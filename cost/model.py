@@ -32,6 +32,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import math
 import operator
 import os
@@ -41,7 +42,12 @@ from typing import Any, Optional
 
 import torch
 
-from .comm import R as R_SYM, V as V_SYM, collective_formula, collective_time
+from autoshard.ownership import slice_dim_for
+from autoshard.passes.spmd import requires_grad_nodes
+from autoshard.runtime.buckets import assign_buckets
+from autoshard.runtime.collectives import backward_collective
+
+from .comm import R as R_SYM, V as V_SYM, collective_bytes, collective_formula, collective_time
 from .compute import roofline_time
 from .hardware import Hardware, load_hardware, normalize_dtype
 
@@ -100,7 +106,6 @@ def resolve_cost_model(spec: Any = None) -> CostModel:
         spec = os.environ.get(DEFAULT_HARDWARE_ENV) or "cpu-gloo"
     extra: dict = {}
     if isinstance(spec, (str, os.PathLike)) and os.path.isfile(str(spec)):
-        import json
         with open(spec) as f:
             spec = json.load(f)
     if isinstance(spec, dict):
@@ -302,9 +307,6 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
     ``param_names``: placeholder names of trainable parameters (their gradient syncs may
     overlap backward compute); ``vals``: placeholder name -> whole (global) meta tensor, for
     the bucket assignment."""
-    from autoshard.passes.spmd import requires_grad_nodes
-    from autoshard.runtime.collectives import backward_collective
-
     graph = program.graph_module.graph
     rg = requires_grad_nodes(graph, param_names)
     by_tag: dict = {}
@@ -435,17 +437,11 @@ def state_memory(inputs, vals: dict, input_places: list, mesh, cm: CostModel, *,
         out["grads"] += cnt * es * stored
         opt = stored
         if zero_stage == 1 and data_axes:
-            d = _slice_dim(use, v.shape, mesh, data_axes[0])
+            d = slice_dim_for(use, v.shape, mesh, data_axes[0])
             opt = use_n // mesh.axes[data_axes[0]] if d is not None else use_n
         out["optimizer"] += cnt * cm.opt_bytes(es) * opt
     out["total"] = out["params"] + out["buffers"] + out["grads"] + out["optimizer"]
     return out
-
-
-def _slice_dim(use_place, shape, mesh, axis):
-    """ZeRO-1's optimizer slice dim, as the runtime chooses it."""
-    from autoshard.training import slice_dim_for
-    return slice_dim_for(use_place, shape, mesh, axis)
 
 
 def optimizer_collectives(inputs, vals, input_places, mesh, *, zero_stage: int, data_axes=(), storage=None,
@@ -458,7 +454,7 @@ def optimizer_collectives(inputs, vals, input_places, mesh, *, zero_stage: int, 
     for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts):
         if zero_stage == 1 and data_axes:
             axis = data_axes[0]
-            if _slice_dim(use, v.shape, mesh, axis) is not None:
+            if slice_dim_for(use, v.shape, mesh, axis) is not None:
                 out += [("all_gather", (axis,), es * _local_numel(v.shape, use, mesh) // mesh.axes[axis])] * cnt
             continue
         st = storage.get(inp.name)
@@ -520,8 +516,6 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
     backward, in that order, are grouped as the plan groups them (a bucket closes once it holds
     ``bucket_bytes`` of this rank's gradients) and each bucket's all-reduce starts when its last
     gradient is ready."""
-    from autoshard.runtime.buckets import assign_buckets
-
     overlap = cm.overlap and train
     tc = tm = 0.0
     exposed: dict = {}
@@ -650,7 +644,6 @@ def _axes_label(axes) -> str:
 
 
 def _sent_bytes(kind, input_bytes, axis_label, mesh) -> float:
-    from .comm import collective_bytes
     ranks = math.prod(mesh.axes[a] for a in axis_label.split(","))
     return collective_bytes(kind, payload_bytes(kind, input_bytes, ranks), ranks)
 
@@ -666,7 +659,7 @@ def optimizer_work(inputs, vals, input_places, mesh, cm: CostModel, *, zero_stag
     n = 0
     for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts):
         k = _local_numel(v.shape, place, mesh)
-        if zero_stage == 1 and data_axes and _slice_dim(use, v.shape, mesh, data_axes[0]) is not None:
+        if zero_stage == 1 and data_axes and slice_dim_for(use, v.shape, mesh, data_axes[0]) is not None:
             k = _local_numel(v.shape, use, mesh) // mesh.axes[data_axes[0]]
         elems += cnt * k
         nbytes += cnt * k * (3 * es + 2 * cm.opt_bytes(es))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from autoshard.ownership import local_shape
+
 from .model import PlanCost, formula_text, program_cost, resolve_cost_model
 
 __all__ = ["CostReport", "plan_cost", "cost_report", "explain", "alternatives", "describe_layout"]
@@ -74,8 +76,6 @@ def plan_cost(plan) -> PlanCost:
 
 
 def cost_report(plan) -> CostReport:
-    from autoshard.ownership import local_shape
-
     c = plan_cost(plan)
     comm: dict = {}
     for rec in plan.program.collectives:

@@ -36,19 +36,34 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import fnmatch
+import gc
+import heapq
 import itertools
 import math
+import operator
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import fx
 
-from .model import (VIEW_OPS, CostModel, PlanCost, block_of_module, collective_seconds, optimizer_collectives,
-                    optimizer_work, program_events, simulate, state_memory)
+from autoshard.mesh import Mesh, factorizations
+from autoshard.ownership import R, Replicate, data_axes
+from autoshard.passes.dims import infer_dims, module_of
+from autoshard.passes.program import build_program, choose_storage
+from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_placements, requires_grad_nodes,
+                                  resolve_layout, rewrite)
+
+from .compute import roofline_time
+from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
+                    collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
+                    resolve_cost_model, simulate, state_memory)
 
 __all__ = ["SearchSpace", "SearchResult", "Candidate", "search_layout", "factorizations", "reduce_graph"]
 
@@ -97,7 +112,6 @@ def _node_sig(node, pos: dict, block_of: dict, j: int, param_key) -> tuple:
 def find_blocks(graph: fx.Graph, inputs, info=None) -> Optional[tuple]:
     """(family, [nodes of block 0], [block 1], ...) when the graph is prefix, L identical
     contiguous blocks, suffix (blocks = ``<family>.<i>`` modules); else None."""
-    from autoshard.passes.dims import module_of
 
     target_of = {i.name: i.target for i in inputs}
     nodes = [n for n in graph.nodes if n.op == "call_function"]
@@ -163,7 +177,6 @@ def reduce_graph(graph: fx.Graph, inputs, info, kept: int = 3) -> Optional[Reduc
     """The graph with only the first ``kept`` blocks (the suffix reads the last kept block
     where it read the last block), its inputs and its named dims; None when the graph has no
     identical repeated blocks or is not longer than that."""
-    from autoshard.passes.dims import infer_dims
 
     found = find_blocks(graph, inputs, info)
     if found is None:
@@ -341,7 +354,6 @@ class SearchSpace:
     def __init__(self, graph, inputs, info, mesh, cm: CostModel, *, train: bool = False, constraints=None,
                  memory_limit=None, zero_stage=None, reshard_after_forward=None, kept_blocks: int = 3,
                  reduce: bool = True, display=None, bucket_mb: float = 25.0, shared: Optional[dict] = None):
-        from autoshard.passes.spmd import LayoutError, resolve_layout
 
         self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
         self.train = train
@@ -413,7 +425,6 @@ class SearchSpace:
     def _units(self, layout, full: bool = False):
         """Resolved layout on the reduced graph's dims (the one the checks and dedup use), or
         on the whole graph's with ``full``."""
-        from autoshard.passes.spmd import resolve_layout
         info = self._named_full if full or self.reduced is None else self._named_red
         return resolve_layout(info, layout, self.mesh)
 
@@ -550,8 +561,6 @@ class SearchSpace:
     # ------------------------------------------------------------------ building programs
     def _build(self, graph, inputs, info, layout, stage, reshard):
         """The per-rank program, built exactly as ``autoshard.autoshard`` builds it."""
-        from autoshard.passes.spmd import resolve_layout
-        from autoshard.training import build_program
 
         self.rewrites += 1
         return build_program(graph, inputs, info, resolve_layout(info, layout, self.mesh), self.mesh,
@@ -563,7 +572,6 @@ class SearchSpace:
 
     def _full_state(self, cand: Candidate):
         """Placements, storage and data axes of the whole graph (no rewrite needed)."""
-        from autoshard.passes.spmd import input_placements
         if cand.axes not in self._places:
             layout = cand.layout(self.names, self.extra)
             r = self.reduced
@@ -572,7 +580,7 @@ class SearchSpace:
                 places = input_placements(r.graph, r.info, self._units(layout), self.mesh)
             else:
                 places = input_placements(self.graph, self.info, self._units(layout, full=True), self.mesh)
-            axes = _data_axes([(places[i.name], self.mesh.names) for i in self._st_inputs
+            axes = data_axes([(places[i.name], self.mesh.names) for i in self._st_inputs
                                if i.kind == "user" and i.name in places])
             self._places[cand.axes] = (places, axes)
         places, axes = self._places[cand.axes]
@@ -580,7 +588,6 @@ class SearchSpace:
             raise self._LayoutError("zero_stage needs a data axis (an axis splitting the batch)")
         storage = {}
         if cand.zero_stage >= 2:
-            from autoshard.training import choose_storage
             params = {n: self.vals[n] for n in self._st_grad}
             storage = choose_storage(params, places, self.mesh, axes[0], cand.zero_stage, bool(cand.reshard))
         in_places = []
@@ -588,7 +595,7 @@ class SearchSpace:
             p = places.get(i.name)
             st = storage.get(i.name)
             in_places.append(st.placement if st is not None else
-                             (p if p is not None else tuple(_R() for _ in self.mesh.names)))
+                             (p if p is not None else tuple(R for _ in self.mesh.names)))
         return in_places, places, storage, axes
 
     def segments(self, cand: Candidate):
@@ -649,7 +656,6 @@ class SearchSpace:
     def _prepare_bounds(self):
         """Group the ops by the names that can touch them; per group and per set of axes
         splitting them, the summed roofline time of their ops split that way."""
-        from autoshard.passes.spmd import requires_grad_nodes
 
         if self.reduced is not None:
             graph, info, mult_of = self.reduced.graph, self.reduced.info, self._multiplicity
@@ -669,7 +675,7 @@ class SearchSpace:
         groups: dict = {}
         bf = self.cm.backward_factor
         for node in graph.nodes:
-            if node.op != "call_function" or node not in info.dims or node.target is _GETITEM:
+            if node.op != "call_function" or node not in info.dims or node.target is operator.getitem:
                 continue
             touch = set()
             atoms_lists = []
@@ -699,7 +705,6 @@ class SearchSpace:
         self._groups = groups
 
     def _multiplicity(self, node) -> int:
-        from autoshard.passes.dims import module_of
         b = block_of_module(module_of(node))
         r = self.reduced
         if b is not None and b[0] == r.family and b[1] == r.kept - 1:
@@ -744,8 +749,6 @@ class SearchSpace:
         rewrite decides each axis's ownership independently of the others, so a candidate
         with this axis option has at least these collectives on the axis, each moving at least
         its bytes divided by the other axes that can split the value. Cached."""
-        from autoshard.mesh import Mesh
-        from autoshard.passes.spmd import resolve_layout, rewrite
 
         # one-axis programs depend on the axis size, not its name: shared across mesh shapes
         size = self.mesh.axes[axis]
@@ -840,8 +843,6 @@ class SearchSpace:
     def _zero3_gathers(self, cand: Candidate, axis) -> float:
         """ZeRO-3: every stored shard is gathered at least once in forward (and again in
         backward when released after forward); blocking."""
-        from autoshard.ownership import Replicate
-        from .model import _local_numel
         in_places, places, storage, _ = self._full_state(cand)
         i_axis = self.mesh.names.index(axis)
         total = 0.0
@@ -890,7 +891,6 @@ class _CachedNames:
 
     def lookup(self, pattern):
         if pattern not in self._look:
-            import fnmatch
             names = self.all_names()
             self._look[pattern] = ({pattern: names[pattern]} if pattern in names else
                                    {n: lv for n, lv in names.items() if fnmatch.fnmatchcase(n, pattern)})
@@ -898,8 +898,6 @@ class _CachedNames:
 
 
 def _without_regathers(seg):
-    import copy
-    from .model import Comm
     out = copy.copy(seg)
     out.items = [dataclasses.replace(it, regather_s=0.0, regather_bytes=0) if isinstance(it, Comm) and it.regather_s
                  else it for it in seg.items]
@@ -908,7 +906,6 @@ def _without_regathers(seg):
 
 def _split_seconds(cm, node, outs, P: int) -> float:
     """Roofline time of ``node`` with every operand and result divided by ``P``."""
-    from .model import op_work, _dtype_of, _tensors
     flops, nbytes = op_work(node.target, node.args, node.kwargs, outs)
     dev = cm.hardware.device
     dtype = _dtype_of(outs, _tensors(list(node.args), []))
@@ -916,23 +913,7 @@ def _split_seconds(cm, node, outs, P: int) -> float:
         dtype = "fp32" if "fp32" in dev.peak_flops else max(dev.peak_flops, key=dev.peak_flops.get)
     if not (flops or nbytes):
         return dev.op_overhead
-    from .compute import roofline_time
     return roofline_time(flops / P, nbytes / P, dev, dtype=dtype) + dev.op_overhead
-
-
-import operator as _operator  # noqa: E402
-
-_GETITEM = _operator.getitem
-
-
-def _R():
-    from autoshard.ownership import R
-    return R
-
-
-def _data_axes(user_placements) -> list:
-    from autoshard.training import data_axes
-    return data_axes(user_placements)
 
 
 # =========================================================================== the search
@@ -951,11 +932,6 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     space. Candidates over ``memory_limit`` (state plus least activations, then the evaluated
     peak) are skipped. ``progress(done, total, best)`` is called after each evaluation; with ``verbose``
     (or once the search has run 3 s) a progress line goes to stderr every 2 s."""
-    import gc
-    import warnings
-
-    from autoshard.passes.spmd import UnsupportedOpWarning
-
     t0 = time.perf_counter()
     gc_was = gc.isenabled()
     gc.disable()  # the rewrites allocate many short-lived cyclic objects; collect once at the end
@@ -970,8 +946,6 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
 
 
 def _search(space, keep, progress, verbose, refine, incumbent, t0):
-    import heapq
-
     pairs = space.space()
     limit = space.memory_limit
     heap = []
@@ -1039,21 +1013,6 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
                         infeasible, invalid, notes, over, [space.mesh])
 
 
-def factorizations(n: int, k: int) -> list:
-    """Every way to write ``n`` as an ordered product of ``k`` positive integers.
-
-    >>> factorizations(8, 2)
-    [(1, 8), (2, 4), (4, 2), (8, 1)]
-    """
-    if k == 1:
-        return [(n,)]
-    out = []
-    for d in range(1, n + 1):
-        if n % d == 0:
-            out += [(d,) + rest for rest in factorizations(n // d, k - 1)]
-    return out
-
-
 def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = False, zero_stage=None,
                 reshard_after_forward=None, memory_limit=None, cost_model=None, bucket_mb: float = 25.0,
                 keep: int = 3, verbose: bool = False, display=None) -> SearchResult:
@@ -1061,8 +1020,6 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
     return the best plan over all of them; ``alternatives`` mixes meshes, cheapest first.
     Raises LayoutError when no mesh admits the constraints, ValueError when nothing fits
     ``memory_limit``."""
-    from autoshard.passes.spmd import LayoutError
-    from .model import resolve_cost_model
 
     cm = resolve_cost_model(cost_model)
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -84,8 +85,6 @@ def _user_input_paths(args, kwargs, arg_names) -> list[str]:
 
 def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     """Export ``model(*args, **kwargs)`` and return a cleaned graph plus input metadata."""
-    import inspect
-
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
     try:

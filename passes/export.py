@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -44,8 +45,12 @@ from torch.fx.graph import _custom_builtins
 from torch.utils import _pytree as pytree
 
 from autoshard import ownership
-from autoshard.ownership import describe, local_shape
+from autoshard.mesh import Mesh
+from autoshard.ownership import describe, local_shape, slice_dim_for
 from autoshard.runtime import collectives as C
+from autoshard.runtime import run_simulated
+
+from . import export_runner
 
 from .dims import module_of, source_line
 
@@ -65,6 +70,14 @@ class ExportError(ValueError):
 # ------------------------------------------------------------------------------------------------
 # placements as strings: "S(0)", "R", "P", one per mesh axis
 # ------------------------------------------------------------------------------------------------
+
+def autoshard_version() -> str:
+    """The installed autoshard's version (recorded in plan.json)."""
+    try:
+        return importlib.metadata.version("autoshard")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
 
 def placement_to_str(place) -> list:
     return [str(o) for o in place]
@@ -294,7 +307,6 @@ def _inputs_meta(plan, user_examples: Optional[list]) -> list:
     storage = prog.storage
     uses = prog.use_placements
     zero, axes = plan.zero_stage, list(plan.data_axes)
-    from autoshard.training import slice_dim_for
     for name, kind, index in _placeholders(plan):
         inp = plan.captured.inputs[index]
         place = prog.input_placements[index]
@@ -339,8 +351,6 @@ def _grad_buckets(plan):
 
 
 def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, reference) -> dict:
-    import autoshard
-
     out_meta = []
     outs = plan.graph_module.graph.find_nodes(op="output")[0].args[0]
     for place, o in zip(plan.program.output_placements, outs):
@@ -360,7 +370,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
     return {
         "format": FORMAT,
         "version": VERSION,
-        "autoshard_version": getattr(autoshard, "__version__", "0.1.0"),
+        "autoshard_version": autoshard_version(),
         "torch_version": torch.__version__,
         "model": type(plan.model).__name__,
         "mesh": dict(plan.mesh.axes),
@@ -558,9 +568,7 @@ def run_torchrun(path, nproc: Optional[int] = None, *run_args: str, timeout: Opt
 
 def load_program(path):
     """The ``program`` module of an export directory (``forward`` is the per-rank program)."""
-    from .export_runner import load_program as _load
-
-    return _load(Path(path))
+    return export_runner.load_program(Path(path))
 
 
 def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float = 1e-3, check: bool = False,
@@ -570,11 +578,7 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     steps. Returns one dict per rank: ``outputs`` (flat, local; of the first step), ``grads``
     ({FQN: local gradient} of the first step), ``losses``, and with ``check`` the comparison
     with the saved references (``ok``, ``worst_out``, ``worst_grad``, ``problems``)."""
-    from autoshard.mesh import Mesh
-    from autoshard.runtime import run_simulated
-
-    from . import export_runner as R
-
+    R = export_runner
     path = Path(path)
     doc = R.read_plan(path)
     program = R.load_program(path)

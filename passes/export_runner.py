@@ -31,10 +31,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from autoshard.mesh import Mesh
 from autoshard import ownership
-from autoshard.ownership import Replicate, Shard, local_piece
+from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
+from autoshard.runtime import DistributedBackend, current, rank_context
+from autoshard.runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -240,13 +243,10 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
 
 class RankProgram:
     """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
-    ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.training.LocalModule` and
-    :class:`~autoshard.training.ShardedOptimizer`, built from plan.json instead of a plan."""
+    ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.runtime.local.LocalModule` and
+    :class:`~autoshard.runtime.local.ShardedOptimizer`, built from plan.json instead of a plan."""
 
     def __init__(self, doc: dict, mesh: Mesh, rank: int, program, weights: Weights, device, train: bool):
-        from autoshard.passes.spmd import ParamStorage
-        from autoshard.training import LocalModule, RankSpec, Slot
-
         self.doc, self.mesh, self.rank, self.device = doc, mesh, rank, device
         slots = []
         for m in doc["inputs"]:
@@ -275,8 +275,6 @@ class RankProgram:
         return self.local.run_flat(user)
 
     def make_optimizer(self, kind: str, lr: float):
-        from autoshard.training import ShardedOptimizer
-
         cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
         self.opt = ShardedOptimizer(self.local, lambda params: cls(params, lr=lr))
 
@@ -464,8 +462,6 @@ def compare_grads(doc, mesh, rank, params, ref, rtol, atol):
 def global_sum(x: torch.Tensor, place, mesh: Mesh) -> float:
     """Sum of a value's global tensor from this rank's block (summed over its sharding axes);
     call inside the rank context."""
-    from autoshard.runtime.context import current
-
     backend = current("global_sum").backend
     s = x.detach().double().sum().reshape(1)
     for o, axis in zip(place or (), mesh.names):
@@ -475,10 +471,6 @@ def global_sum(x: torch.Tensor, place, mesh: Mesh) -> float:
 
 
 def run(root: Path, args) -> int:
-    import torch.distributed as dist
-
-    from autoshard.runtime import DistributedBackend, rank_context
-
     local_rank = _env_int("LOCAL_RANK", 0)
     try:
         ctx = prepare(root, args)

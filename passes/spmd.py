@@ -696,18 +696,6 @@ def input_placements(graph: fx.Graph, info: DimInfo, layout: Layout, mesh) -> di
     return {n.name: r.desired(n) for n in graph.nodes if n.op == "placeholder" and is_tensor_node(n)}
 
 
-@dataclass(frozen=True)
-class ParamStorage:
-    """How a parameter is stored between uses when its state is sharded on a data axis."""
-
-    placement: tuple  # stored placement: the use placement plus Shard(dim) on ``axis``
-    axis: str
-    dim: int
-    stage: int  # ZeRO stage 2 or 3 (stage 1 stores parameters whole)
-    mode: str  # "persistent" (ZeRO-2: full copy refreshed by the optimizer) | "gather" (ZeRO-3)
-    reshard: bool = False  # ZeRO-3: release the gathered parameter after forward
-
-
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
             storage=None, bucket_axis=None, bucket_candidates=()) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder

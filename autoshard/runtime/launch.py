@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue as queue_mod
@@ -21,6 +22,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -41,11 +44,6 @@ _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _worker(rank, world_size, port, timeout, threads, fn, args, results):
-    import faulthandler
-
-    import torch
-    import torch.distributed as dist
-
     # A hung rank prints its Python stack to stderr shortly before the parent kills it.
     faulthandler.dump_traceback_later(max(timeout - 2.0, 1.0), exit=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -1,4 +1,5 @@
-"""Training state on the data axis: where parameters, gradients and optimizer state live.
+"""Per-rank execution of a plan's program: this rank's parameters as stored, the optimizer on
+its slices, and the rank spec that describes both without the planner.
 
 ZeRO stages are not special code paths in the program; they are where a parameter is *stored*
 between uses (DESIGN.md, "The ownership algebra"):
@@ -14,6 +15,9 @@ stage  parameters           gradients                        optimizer state / s
 3      sharded              reduce-scattered                 sharded: update own shard; the
                             (all_gather_varying backward)    next forward gathers it again
 ====== ==================== ================================ =================================
+
+A :class:`RankSpec` is made by ``Plan.rank_spec()`` and, in an exported directory, from
+``plan.json``; run.py needs this module and nothing above the runtime.
 
 Example::
 
@@ -32,128 +36,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .ownership import Replicate, Shard, local_piece, local_shape
-from .runtime.buckets import GradBuckets, assign_buckets
-from .runtime.collectives import all_gather, reshard_after_forward
-from .runtime.context import current, trace_phase
-from autoshard.passes.spmd import ParamStorage
+from ..ownership import ParamStorage, Replicate, local_piece, local_shape
+from .buckets import GradBuckets
+from .collectives import all_gather, reshard_after_forward
+from .context import current, trace_phase
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state:
 # their step on a shard equals the matching slice of the step on the whole tensor.
 ELEMENTWISE_OPTIMIZERS = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop")
     if hasattr(torch.optim, n))
-
-
-def data_axes(user_placements) -> list[str]:
-    """Mesh axes that split a user input (the batch): the data-parallel axes."""
-    axes = []
-    for place, names in user_placements:
-        for o, a in zip(place, names):
-            if isinstance(o, Shard) and a not in axes:
-                axes.append(a)
-    return axes
-
-
-def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, stage: int,
-                   reshard: bool) -> dict:
-    """{placeholder name: ParamStorage} for stage 2 and 3: each parameter is split on ``axis``
-    along its first dim that no other axis splits and that ``axis`` divides evenly. A parameter
-    with no such dim stays whole (listed in the plan)."""
-    out = {}
-    if stage < 2:
-        return out
-    for name, val in param_nodes.items():
-        use = use_placements[name]
-        for d, size in enumerate(val.shape):
-            taken = any(isinstance(o, Shard) and o.dim == d for o in use)
-            if not taken and size % mesh.axes[axis] == 0:
-                place = tuple(Shard(d) if a == axis else o for o, a in zip(use, mesh.names))
-                out[name] = ParamStorage(place, axis, d, stage, "persistent" if stage == 2 else "gather",
-                                         reshard=(stage == 3 and reshard))
-                break
-    return out
-
-
-def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
-                  bucket_mb: float, display: dict):
-    """The per-rank program of a resolved layout with a state-sharding level: the data axes
-    (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
-    sharding and gradient buckets that the forward program does not show. Returns
-    ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
-    from autoshard.passes.spmd import LayoutError, input_placements, rewrite
-
-    grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
-    places = input_placements(graph, info, resolved, mesh)
-    axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
-    if zero_stage and not axes:
-        raise LayoutError(f"zero_stage={zero_stage} shards training state over the data-parallel axis, but no mesh "
-                          f"axis splits an input: put the batch dim on a mesh axis in layout (e.g. {{'batch': 'dp'}})")
-    params = {n.name: n.meta["val"] for n in graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
-    storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard) if zero_stage else {}
-    bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
-    program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
-                      bucket_candidates=[n for n in params if n not in storage] if bucket_axis else ())
-    program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
-    program.collectives += bucket_collectives(program, bucket_axis, params, display,
-                                              int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
-    return program, axes
-
-
-def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, display: dict) -> list:
-    """Collectives of state sharding that the forward program does not show: the second gather
-    of a resharded parameter (backward) and the optimizer-phase gathers of ZeRO-1/2."""
-    from autoshard.passes.spmd import Collective
-
-    out = []
-    for c in program.collectives:
-        if c.tag in program.reshard_tags and c.phase == "forward":
-            out.append(Collective("all_gather", c.axes, c.bytes, "backward", c.where,
-                                  c.why.split(";")[0] + "; gathered again when backward reads it", c.node,
-                                  c.line, c.tag, c.op))
-    if stage in (1, 2) and axes:
-        axis = axes[0]
-        for name, val in shapes.items():
-            use = program.use_placements[name]
-            d = slice_dim_for(use, val.shape, mesh, axis)
-            if d is None:
-                continue
-            n = torch.Size(local_shape(val.shape, use, mesh)).numel() // mesh.axes[axis] * val.element_size()
-            out.append(Collective("all_gather", (axis,), n, "optimizer", display.get(name, name).rsplit(".", 1)[0],
-                                  f"ZeRO-{stage}: each rank updated its slice of {display.get(name, name)}; "
-                                  f"the updated slices are gathered into the whole parameter", name))
-    return out
-
-
-def bucket_collectives(program, axis, shapes: dict, display: dict, bucket_bytes: int, mesh) -> list:
-    """One backward all-reduce per gradient bucket (tags after the program's own)."""
-    from autoshard.passes.spmd import Collective
-
-    if not program.bucketed:
-        return []
-    # This rank's pieces are what a bucket all-reduces.
-    sizes = [(n, torch.Size(local_shape(shapes[n].shape, program.use_placements[n], mesh)).numel()
-              * shapes[n].element_size()) for n in program.bucketed]
-    first_tag = 1 + max((c.tag for c in program.collectives), default=-1)
-    program.buckets = [(first_tag + k, names) for k, names in enumerate(assign_buckets(sizes, bucket_bytes))]
-    out = []
-    for tag, names in program.buckets:
-        size = sum(dict(sizes)[n] for n in names)
-        params = [display.get(n, n) for n in names]
-        out.append(Collective("all_reduce", (axis,), size, "backward", params[0].rsplit(".", 1)[0],
-                              f"gradient bucket of {len(names)} replicated parameters used by per-rank work on "
-                              f"{axis} ({', '.join(params[:3])}{', ...' if len(params) > 3 else ''}): backward sums "
-                              f"them, started once the bucket is ready so it overlaps the rest of backward",
-                              ",".join(names), "", tag, "grad_bucket"))
-    return out
-
-
-def slice_dim_for(use_place, shape, mesh, axis):
-    """ZeRO-1's optimizer slice: the first dim no other axis splits that ``axis`` divides."""
-    for d, size in enumerate(shape):
-        if not any(isinstance(o, Shard) and o.dim == d for o in use_place) and size % mesh.axes[axis] == 0:
-            return d
-    return None
 
 
 @dataclass

@@ -1,0 +1,107 @@
+"""The per-rank program of a resolved layout: data axes, ZeRO storage, the SPMD rewrite, and the
+collectives of state sharding and gradient buckets that the forward program does not show.
+
+Used by ``autoshard.autoshard`` for the chosen layout and by the layout search for every
+candidate it evaluates, so both cost exactly the same program.
+
+Example::
+
+    >>> from autoshard.passes.program import build_program                       # doctest: +SKIP
+    >>> program, data_axes = build_program(graph, inputs, info, resolved, mesh, train=True,
+    ...     zero_stage=3, reshard=True, bucket_mb=25, display={})                  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import torch
+
+from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, slice_dim_for
+from autoshard.runtime.buckets import assign_buckets
+
+from .spmd import Collective, LayoutError, input_placements, rewrite
+
+
+def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, stage: int,
+                   reshard: bool) -> dict:
+    """{placeholder name: ParamStorage} for stage 2 and 3: each parameter is split on ``axis``
+    along its first dim that no other axis splits and that ``axis`` divides evenly. A parameter
+    with no such dim stays whole (listed in the plan)."""
+    out = {}
+    if stage < 2:
+        return out
+    for name, val in param_nodes.items():
+        use = use_placements[name]
+        for d, size in enumerate(val.shape):
+            taken = any(isinstance(o, Shard) and o.dim == d for o in use)
+            if not taken and size % mesh.axes[axis] == 0:
+                place = tuple(Shard(d) if a == axis else o for o, a in zip(use, mesh.names))
+                out[name] = ParamStorage(place, axis, d, stage, "persistent" if stage == 2 else "gather",
+                                         reshard=(stage == 3 and reshard))
+                break
+    return out
+
+
+def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
+                  bucket_mb: float, display: dict):
+    """The per-rank program of a resolved layout with a state-sharding level: the data axes
+    (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
+    sharding and gradient buckets that the forward program does not show. Returns
+    ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
+    grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
+    places = input_placements(graph, info, resolved, mesh)
+    axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
+    if zero_stage and not axes:
+        raise LayoutError(f"zero_stage={zero_stage} shards training state over the data-parallel axis, but no mesh "
+                          f"axis splits an input: put the batch dim on a mesh axis in layout (e.g. {{'batch': 'dp'}})")
+    params = {n.name: n.meta["val"] for n in graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
+    storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard) if zero_stage else {}
+    bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
+    program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
+                      bucket_candidates=[n for n in params if n not in storage] if bucket_axis else ())
+    program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
+    program.collectives += bucket_collectives(program, bucket_axis, params, display,
+                                              int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
+    return program, axes
+
+
+def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, display: dict) -> list:
+    """Collectives of state sharding that the forward program does not show: the second gather
+    of a resharded parameter (backward) and the optimizer-phase gathers of ZeRO-1/2."""
+    out = []
+    for c in program.collectives:
+        if c.tag in program.reshard_tags and c.phase == "forward":
+            out.append(Collective("all_gather", c.axes, c.bytes, "backward", c.where,
+                                  c.why.split(";")[0] + "; gathered again when backward reads it", c.node,
+                                  c.line, c.tag, c.op))
+    if stage in (1, 2) and axes:
+        axis = axes[0]
+        for name, val in shapes.items():
+            use = program.use_placements[name]
+            d = slice_dim_for(use, val.shape, mesh, axis)
+            if d is None:
+                continue
+            n = torch.Size(local_shape(val.shape, use, mesh)).numel() // mesh.axes[axis] * val.element_size()
+            out.append(Collective("all_gather", (axis,), n, "optimizer", display.get(name, name).rsplit(".", 1)[0],
+                                  f"ZeRO-{stage}: each rank updated its slice of {display.get(name, name)}; "
+                                  f"the updated slices are gathered into the whole parameter", name))
+    return out
+
+
+def bucket_collectives(program, axis, shapes: dict, display: dict, bucket_bytes: int, mesh) -> list:
+    """One backward all-reduce per gradient bucket (tags after the program's own)."""
+    if not program.bucketed:
+        return []
+    # This rank's pieces are what a bucket all-reduces.
+    sizes = [(n, torch.Size(local_shape(shapes[n].shape, program.use_placements[n], mesh)).numel()
+              * shapes[n].element_size()) for n in program.bucketed]
+    first_tag = 1 + max((c.tag for c in program.collectives), default=-1)
+    program.buckets = [(first_tag + k, names) for k, names in enumerate(assign_buckets(sizes, bucket_bytes))]
+    out = []
+    for tag, names in program.buckets:
+        size = sum(dict(sizes)[n] for n in names)
+        params = [display.get(n, n) for n in names]
+        out.append(Collective("all_reduce", (axis,), size, "backward", params[0].rsplit(".", 1)[0],
+                              f"gradient bucket of {len(names)} replicated parameters used by per-rank work on "
+                              f"{axis} ({', '.join(params[:3])}{', ...' if len(params) > 3 else ''}): backward sums "
+                              f"them, started once the bucket is ready so it overlaps the rest of backward",
+                              ",".join(names), "", tag, "grad_bucket"))
+    return out
