@@ -30,20 +30,26 @@ from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.spmd import LayoutError, resolve_layout
-from autoshard.cost.model import resolve_cost_model
+from autoshard.cost.model import program_cost, resolve_cost_model
+from autoshard.cost.units import choose_units
 from autoshard.cost.search import plan_search
 from autoshard.passes.program import build_program
+from autoshard.passes.units import check_policy
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
-              memory_limit=None, bucket_mb: float = 25.0, hardware=None, search: Optional[bool] = None,
-              verbose: bool = False) -> Plan:
+              memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
+              search: Optional[bool] = None, verbose: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
     replicated parameters are all-reduced in buckets of ``bucket_mb`` MiB (0: one all-reduce per
     parameter, inside backward), launched as they fill so they overlap the rest of backward.
+    ZeRO-3 parameters are gathered and their gradients reduce-scattered per *unit*, one flat
+    buffer each, the next unit's gather prefetched: ``units`` is ``"block"`` (one per repeated
+    block), ``"model"``, ``"param"`` (one per parameter) or a list of module prefixes / globs;
+    None: chosen by cost when the search runs, else ``"block"`` (``"param"`` when ``bucket_mb=0``).
 
     The layout search (``autoshard.cost.search``) runs when ``layout`` is None or only forbids
     sharding (``{"batch": None}``), when ``mesh`` is ``Mesh.auto(n, axes)`` (every mesh shape
@@ -86,7 +92,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             cap.graph, cap.inputs, info, meshes or [mesh], _constraints(layout, search, info),
             train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
             memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
-            display={i.name: i.target for i in cap.inputs})
+            display={i.name: i.target for i in cap.inputs},
+            units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"))
         mesh, layout = search_result.mesh, search_result.layout
         if train and zero_stage is None:
             zero_stage = search_result.zero_stage
@@ -98,15 +105,30 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     t = time.perf_counter()
     resolved = resolve_layout(info, layout, mesh)
     stage = zero_stage or 0
-    program, axes = build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
-                                  reshard=True if reshard_after_forward is None else reshard_after_forward,
-                                  bucket_mb=bucket_mb, display={i.name: i.target for i in cap.inputs})
+    display = {i.name: i.target for i in cap.inputs}
+
+    def build(policy):
+        return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
+                             reshard=True if reshard_after_forward is None else reshard_after_forward,
+                             bucket_mb=bucket_mb, display=display, units=policy)
+
+    if units is None and stage == 3 and bucket_mb and searching:
+        # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
+        cm = cost_model or _cost_model(hardware)
+        vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+        units, (program, axes), _ = choose_units(
+            build, lambda b: program_cost(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
+                                          data_axes=b[1]), memory_limit)
+    else:
+        units = check_policy(units) if units is not None else ("param" if not bucket_mb else "block")
+        program, axes = build(units)
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
     plan = Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
                 train=train, timings=timings, zero_stage=stage, data_axes=axes)
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
+    plan.units = units
     return plan
 
 

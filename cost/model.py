@@ -262,10 +262,15 @@ class Comm:
     regather_bytes: int = 0
     gathered_param_bytes: int = 0  # output bytes of a parameter gather (ZeRO-3 temporaries)
     buffer_bytes: int = 0  # send + receive buffers of the largest part
+    # ZeRO-3 units: the gather was started when the previous unit's finished (prefetch), and
+    # the flat buffers are copied in and out (forward; backward with the gradient buffers).
+    prefetched: bool = False
+    copy_fwd_s: float = 0.0
+    copy_bwd_s: float = 0.0
 
     def key(self):
         return (self.axes, self.fwd_kind, self.fwd_bytes, self.bwd_kind, self.bwd_bytes, self.bwd_overlap,
-                self.regather_bytes, self.gathered_param_bytes)
+                self.regather_bytes, self.gathered_param_bytes, self.prefetched, self.copy_fwd_s, self.copy_bwd_s)
 
 
 @dataclass(frozen=True)
@@ -320,6 +325,8 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
     pend = [0.0, 0.0]
     bf = cm.backward_factor
     overhead = cm.hardware.device.op_overhead
+    copy_bw = cm.hardware.device.mem_bandwidth * cm.hardware.device.mem_efficiency
+    seen_unit = False
 
     def flush():
         if cur is not None and (pend[0] or pend[1]):
@@ -369,6 +376,12 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
                 c.regather_s = collective_seconds(cm, mesh, again.kind, again.axes, again.bytes)
             if fwd is not None and is_param:
                 c.gathered_param_bytes = out_bytes
+            if op == "gather_unit":
+                c.prefetched = seen_unit
+                seen_unit = True
+                # copy-in and copy-out of the flat buffers, read and written once each
+                c.copy_fwd_s = 2 * (fwd.bytes + out_bytes) / copy_bw
+                c.copy_bwd_s = 2 * (bwd.bytes + fwd.bytes) / copy_bw  # (+ copy_fwd_s again if regathered)
             c.buffer_bytes = max(in_bytes + out_bytes, (bwd.bytes if bwd else 0) + in_bytes)
             cur.items.append(c)
             if node in rg and not is_param:
@@ -559,7 +572,19 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
         tm = start + secs
         queue.append((start, tm, key))
 
+    def prefetched(secs, key, issued):
+        """A gather started at ``issued`` (when the previous unit's gather finished): compute
+        waits only for what is left of it."""
+        nonlocal tm
+        if not overlap:
+            return blocking(secs, key)
+        start = max(issued, tm)
+        end = start + secs
+        wait_until(end, (start, end, key))
+        tm = end
+
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    issued = 0.0  # when the next ZeRO-3 unit's gather is started (prefetch)
     for seg in segments:
         for it in seg.items:
             if isinstance(it, tuple):
@@ -568,7 +593,14 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
             elif isinstance(it, Comm) and it.fwd_kind is not None:
                 key = (_axes_label(it.axes), "forward")
                 account(key, it.fwd_kind, it.fwd_bytes, it.fwd_s)
-                blocking(it.fwd_s, key)
+                if it.prefetched:
+                    prefetched(it.fwd_s, key, issued)
+                else:
+                    blocking(it.fwd_s, key)
+                if it.copy_fwd_s:
+                    issued = tc
+                    tc += it.copy_fwd_s
+                    compute["forward"] += it.copy_fwd_s
     if train:
         # gradient buckets, in the order backward makes their gradients ready
         readies = [it for seg in reversed(segments) for it in reversed(seg.items) if isinstance(it, Ready)]
@@ -579,6 +611,7 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
                 launches[g[-1]] = sum(readies[k].local_bytes for k in g)
         n_ready = 0
         bkey = (bucket_axis, "backward")
+        first_regather = True  # backward prefetches every unit's second gather but the first
         for seg in reversed(segments):
             for it in reversed(seg.items):
                 if isinstance(it, tuple):
@@ -596,7 +629,17 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
                 key = (_axes_label(it.axes), "backward")
                 if it.regather_s:
                     account(key, it.fwd_kind, it.regather_bytes, it.regather_s)
-                    blocking(it.regather_s, key)
+                    if it.copy_bwd_s and first_regather is False:
+                        prefetched(it.regather_s, key, issued)
+                    else:
+                        blocking(it.regather_s, key)
+                    first_regather = False
+                    issued = tc
+                    tc += it.copy_fwd_s
+                    compute["backward"] += it.copy_fwd_s
+                if it.copy_bwd_s:
+                    tc += it.copy_bwd_s
+                    compute["backward"] += it.copy_bwd_s
                 if it.bwd_kind is None:
                     continue
                 account(key, it.bwd_kind, it.bwd_bytes, it.bwd_s)

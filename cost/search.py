@@ -353,12 +353,14 @@ class SearchSpace:
 
     def __init__(self, graph, inputs, info, mesh, cm: CostModel, *, train: bool = False, constraints=None,
                  memory_limit=None, zero_stage=None, reshard_after_forward=None, kept_blocks: int = 3,
-                 reduce: bool = True, display=None, bucket_mb: float = 25.0, shared: Optional[dict] = None):
+                 reduce: bool = True, display=None, bucket_mb: float = 25.0, shared: Optional[dict] = None,
+                 units="block"):
 
         self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
         self.train = train
         self.memory_limit = memory_limit
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
+        self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)
         self.display = display or {i.name: i.target for i in self.inputs}
         self.names = sorted(set(info.names.values()))
         constraints = dict(constraints or {})
@@ -565,7 +567,7 @@ class SearchSpace:
         self.rewrites += 1
         return build_program(graph, inputs, info, resolve_layout(info, layout, self.mesh), self.mesh,
                              train=self.train, zero_stage=stage, reshard=bool(reshard),
-                             bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display)
+                             bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display, units=self.units)
 
     def _bucketing(self, stage, axes) -> bool:
         return bool(self.train and stage < 2 and axes and self.bucket_bytes)
@@ -841,8 +843,11 @@ class SearchSpace:
         return total
 
     def _zero3_gathers(self, cand: Candidate, axis) -> float:
-        """ZeRO-3: every stored shard is gathered at least once in forward (and again in
-        backward when released after forward); blocking."""
+        """ZeRO-3 parameters gathered one by one (unit policy ``"param"``): every stored shard is
+        gathered at least once in forward (and again in backward when released after forward),
+        blocking. Grouped units are prefetched under compute: nothing is certain to block."""
+        if self.units != "param":
+            return 0.0
         in_places, places, storage, _ = self._full_state(cand)
         i_axis = self.mesh.names.index(axis)
         total = 0.0
@@ -1015,7 +1020,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
 
 def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = False, zero_stage=None,
                 reshard_after_forward=None, memory_limit=None, cost_model=None, bucket_mb: float = 25.0,
-                keep: int = 3, verbose: bool = False, display=None) -> SearchResult:
+                keep: int = 3, verbose: bool = False, display=None, units="block") -> SearchResult:
     """Search every mesh of ``meshes`` (one, or all factorizations from ``Mesh.auto``) and
     return the best plan over all of them; ``alternatives`` mixes meshes, cheapest first.
     Raises LayoutError when no mesh admits the constraints, ValueError when nothing fits
@@ -1032,7 +1037,8 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
         try:
             space = SearchSpace(graph, inputs, info, mesh, cm, train=train, constraints=constraints, shared=shared,
                                 memory_limit=memory_limit, zero_stage=zero_stage,
-                                reshard_after_forward=reshard_after_forward, display=display, bucket_mb=bucket_mb)
+                                reshard_after_forward=reshard_after_forward, display=display, bucket_mb=bucket_mb,
+                                units=units)
         except LayoutError as e:
             errors.append(e)
             continue

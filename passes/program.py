@@ -18,6 +18,7 @@ from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, sli
 from autoshard.runtime.buckets import assign_buckets
 
 from .spmd import Collective, LayoutError, input_placements, rewrite
+from .units import group_units
 
 
 def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, stage: int,
@@ -41,10 +42,11 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
 
 
 def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
-                  bucket_mb: float, display: dict):
+                  bucket_mb: float, display: dict, units="block"):
     """The per-rank program of a resolved layout with a state-sharding level: the data axes
     (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
-    sharding and gradient buckets that the forward program does not show. Returns
+    sharding and gradient buckets that the forward program does not show; ZeRO-3 gathers are
+    grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     places = input_placements(graph, info, resolved, mesh)
@@ -57,6 +59,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
     program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
                       bucket_candidates=[n for n in params if n not in storage] if bucket_axis else ())
+    if zero_stage == 3:
+        program.units = group_units(program, units, mesh, display)
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
     program.collectives += bucket_collectives(program, bucket_axis, params, display,
                                               int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
@@ -71,7 +75,7 @@ def state_collectives(program, stage: int, axes: list, mesh, shapes: dict, displ
         if c.tag in program.reshard_tags and c.phase == "forward":
             out.append(Collective("all_gather", c.axes, c.bytes, "backward", c.where,
                                   c.why.split(";")[0] + "; gathered again when backward reads it", c.node,
-                                  c.line, c.tag, c.op))
+                                  c.line, c.tag, c.op, c.params))
     if stage in (1, 2) and axes:
         axis = axes[0]
         for name, val in shapes.items():

@@ -66,6 +66,7 @@ class Collective:
     line: str = ""  # source line of the consumer
     tag: int = -1  # links runtime trace records to this entry
     op: str = ""  # runtime function inserted in the forward program
+    params: tuple = ()  # parameters a grouped collective carries (ZeRO-3 units, gradient buckets)
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Program:
     use_placements: dict = field(default_factory=dict)  # placeholder name -> placement where used
     bucketed: list = field(default_factory=list)  # parameters synchronized by gradient buckets, in ready order
     buckets: list = field(default_factory=list)  # (tag, [parameter names]) per bucket, in launch order
+    units: list = field(default_factory=list)  # ZeRO-3 units: (name, tag, [parameter names]), in program order
 
 
 class _Rewriter:

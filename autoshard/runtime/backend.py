@@ -57,6 +57,14 @@ class Backend:
         communication with compute finish it here."""
         return Pending(result=self.all_reduce(x, axis))
 
+    def all_gather_async(self, x: torch.Tensor, axis: str, dim: int) -> "Pending":
+        """Start an all-gather (ZeRO-3 prefetch); ``.wait()`` returns the result."""
+        return Pending(result=self.all_gather(x, axis, dim))
+
+    def reduce_scatter_async(self, x: torch.Tensor, axis: str, dim: int) -> "Pending":
+        """Start a sum reduce-scatter (ZeRO gradient sync under backward)."""
+        return Pending(result=self.reduce_scatter(x, axis, dim))
+
     @staticmethod
     def _ctx():
         return current("a collective")

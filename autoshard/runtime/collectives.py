@@ -21,12 +21,14 @@ Example (Megatron's f and g around a tensor-parallel MLP)::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import units
 from .backend import check_divisible
 from .context import CollectiveRecord, RankContext, activate, current, current_or_none
 
@@ -56,6 +58,8 @@ ADJOINTS: dict[str, Adjoint] = {
     "to_partial":         Adjoint("keep_first",     "identity"),        # Replicate -> Partial
     # ZeRO-2: a parameter shard read through the full copy kept since the last optimizer step.
     "use_persistent":     Adjoint("identity",       "reduce_scatter"),  # Shard(d) -> Replicate, varying use
+    # ZeRO-3 / FSDP unit: all_gather_varying of several parameters in one flat buffer.
+    "gather_unit":        Adjoint("all_gather",     "reduce_scatter"),  # Shard(d_i) -> Replicate, varying use
 }
 # Backward primitives that sum over ranks: linear, so accumulation may defer them.
 SUMMING = ("all_reduce", "reduce_scatter")
@@ -93,7 +97,13 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
         return x.clone() if ctx.coord(axis) == 0 else torch.zeros_like(x)
     if primitive == "reduce_scatter" or primitive == "all_to_all":
         check_divisible(x, axis, dims[0], n, op if op == primitive else f"{op} ({primitive})")
-    backend_fn = getattr(ctx.backend, primitive)
+    return _call_backend(ctx, primitive, primitive, x, axis, dims, op, tag, phase)
+
+
+def _call_backend(ctx: RankContext, method: str, primitive: str, x: torch.Tensor, axis: str, dims: tuple,
+                  op: str, tag: int | None, phase: str):
+    """Run ``ctx.backend.<method>(x, axis, *dims)`` as ``ctx`` and record ``primitive``."""
+    backend_fn = getattr(ctx.backend, method)
     # The context captured at forward time is made current for the backend: on GPU, autograd
     # runs backward on its own device threads, where the thread-local context is absent.
     saved_call = ctx.call
@@ -112,6 +122,14 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
     return out
 
 
+def _start(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, op: str, tag: int | None,
+           phase: str):
+    """Issue a dim-0 all-gather / reduce-scatter of a flat buffer without waiting (a backend
+    that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it at the
+    same point of the program, so the order of collectives stays the same on all ranks."""
+    return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase)
+
+
 def _phase(rctx: RankContext) -> str:
     # A forward run inside a backward (activation-checkpoint recompute) communicates during the
     # backward pass, so it is labelled as such.
@@ -128,7 +146,7 @@ class _Collective(torch.autograd.Function):
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
         out = _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, _phase(rctx))
         if tag is not None and tag in rctx.reshard_tags:
-            _register_reshard(rctx, out, x.detach(), axis, dims, tag)
+            _register_reshard(rctx, out, _ParamSource(x.detach(), axis, dims, tag))
         return out
 
     @staticmethod
@@ -289,9 +307,39 @@ def use_persistent(shard: torch.Tensor, full: torch.Tensor, axis: str, dim: int,
 
 # ---- resharding after forward (ZeRO-3 / FSDP) ------------------------------------------------
 
-def _register_reshard(rctx: RankContext, full: torch.Tensor, shard: torch.Tensor, axis, dims, tag) -> None:
+class _ParamSource:
+    """One parameter gathered by ``all_gather_varying``: what resharding gathers again."""
+
+    def __init__(self, shard, axis, dims, tag):
+        self.shard, self.axis, self.dims, self.tag = shard, axis, dims, tag
+
+    def regather(self, rctx, pending=None) -> list:
+        return [_run(rctx, "all_gather", self.shard, self.axis, self.dims, "all_gather_varying", self.tag, "backward")]
+
+    def start(self, rctx):
+        return None  # single parameters are gathered when backward reads them
+
+
+class _UnitSource:
+    """A unit gathered by ``gather_unit``: regathered whole, and prefetchable."""
+
+    def __init__(self, shards, axis, dims, tag):
+        self.shards, self.axis, self.dims, self.tag = shards, axis, dims, tag
+        self.shapes = [tuple(s.shape) for s in shards]
+
+    def regather(self, rctx, pending=None) -> list:
+        flat = pending.wait() if pending is not None else _run(
+            rctx, "all_gather", units.pack_shards(self.shards), self.axis, (0,), "gather_unit", self.tag, "backward")
+        return units.unpack_full(flat, self.shapes, self.dims, rctx.mesh.axis_size(self.axis))
+
+    def start(self, rctx):
+        return _start(rctx, "all_gather", units.pack_shards(self.shards), self.axis, "gather_unit", self.tag,
+                      "backward")
+
+
+def _register_reshard(rctx: RankContext, full: torch.Tensor, source, index: int = 0) -> None:
     ptr = full.untyped_storage().data_ptr()
-    rctx.reshard_live[ptr] = (shard, axis, dims, tag)
+    rctx.reshard_live[ptr] = (source, index)
     # Once the full tensor dies (forward is done with it), its address may be reused.
     weakref.finalize(full, rctx.reshard_live.pop, ptr, None)
 
@@ -309,24 +357,45 @@ def reshard_after_forward():
             loss = program(*inputs); loss.backward()
     """
     rctx = current("reshard_after_forward")
-    regathered: dict = {}  # tag -> [full tensor, saved views still to unpack]
+    regathered: dict = {}  # tag -> [full tensors or None, saved views still to unpack, source]
+    last_use: dict = {}  # tag -> order of its last saved view in forward
+    clock = itertools.count()
+    backward_order: list = []  # tags, in the order backward will first need them
 
     def pack(t):
         hit = rctx.reshard_live.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if hit is None:
             return t
-        shard, axis, dims, tag = hit
-        regathered.setdefault(tag, [None, 0])[1] += 1
-        return ("regather", shard, axis, dims, tag, t.size(), t.stride(), t.storage_offset())
+        source, index = hit
+        regathered.setdefault(source.tag, [None, 0, source])[1] += 1
+        last_use[source.tag] = next(clock)
+        return ("regather", source.tag, index, t.size(), t.stride(), t.storage_offset())
+
+    def prefetch_after(tag):
+        # Backward runs forward in reverse: the next source it needs is the one whose last
+        # saved view comes just before this one's. Start its gather now (units only).
+        if not backward_order:
+            backward_order.extend(sorted(last_use, key=lambda k: -last_use[k]))
+        i = backward_order.index(tag)
+        for nxt in backward_order[i + 1:]:
+            entry = regathered.get(nxt)
+            if entry is None or entry[0] is not None:
+                continue
+            if nxt not in rctx.prefetched:
+                pending = entry[2].start(rctx)
+                if pending is not None:
+                    rctx.prefetched[nxt] = pending
+            return
 
     def unpack(obj):
         if not (isinstance(obj, tuple) and obj and obj[0] == "regather"):
             return obj
-        _, shard, axis, dims, tag, size, stride, offset = obj
+        _, tag, index, size, stride, offset = obj
         entry = regathered[tag]
         if entry[0] is None:
-            entry[0] = _run(rctx, "all_gather", shard, axis, dims, "all_gather_varying", tag, "backward")
-        full = entry[0]
+            entry[0] = entry[2].regather(rctx, rctx.prefetched.pop(tag, None))
+            prefetch_after(tag)
+        full = entry[0][index]
         entry[1] -= 1
         if entry[1] == 0:
             del regathered[tag]
@@ -334,6 +403,91 @@ def reshard_after_forward():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+# ---- ZeRO-3 / FSDP units: several parameters per collective ------------------------------------
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: one flat all-gather of a unit's shards (or the prefetched one), then the gather
+    of the next unit is started. Backward (once every member's gradient is complete): one flat
+    reduce-scatter; for leaf shards it is started asynchronously and lands in ``.grad`` when
+    backward ends, so it runs under the rest of backward."""
+
+    @staticmethod
+    def forward(fctx, axis, dims, tag, prefetch, *shards):
+        rctx = current("autoshard collective gather_unit")
+        phase = _phase(rctx)
+        # Trainable leaves (a LocalModule's parameters) get their gradients from the landing.
+        fctx.leaves = shards if all(s.is_leaf and s.requires_grad for s in shards) else None
+        shards = tuple(s.detach() for s in shards)
+        shapes = [tuple(s.shape) for s in shards]
+        n = rctx.mesh.axis_size(axis)
+        pending = rctx.prefetched.pop(tag, None) if tag is not None else None
+        flat = pending.wait() if pending is not None else _run(
+            rctx, "all_gather", units.pack_shards(shards), axis, (0,), "gather_unit", tag, phase)
+        if prefetch is not None and phase == "forward":
+            next_shards, _, next_tag = prefetch
+            if next_tag not in rctx.prefetched:
+                rctx.prefetched[next_tag] = _start(rctx, "all_gather", units.pack_shards(next_shards), axis,
+                                                   "gather_unit", next_tag, phase)
+        fulls = units.unpack_full(flat, shapes, dims, n)
+        if tag is not None and tag in rctx.reshard_tags:
+            source = _UnitSource(shards, axis, dims, tag)
+            for i, full in enumerate(fulls):
+                _register_reshard(rctx, full, source, i)
+        fctx.rctx, fctx.axis, fctx.dims, fctx.tag, fctx.shapes = rctx, axis, dims, tag, shapes
+        fctx.full_shapes = [tuple(f.shape) for f in fulls]
+        fctx.dtypes = [f.dtype for f in fulls]
+        return tuple(fulls)
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx, *grads):
+        rctx, axis, n = fctx.rctx, fctx.axis, fctx.rctx.mesh.axis_size(fctx.axis)
+        leaves = fctx.leaves
+        grads = [g.detach() if g is not None else torch.zeros(shape, dtype=dt)
+                 for g, shape, dt in zip(grads, fctx.full_shapes, fctx.dtypes)]
+        flat = units.pack_grads(grads, fctx.dims, n)
+        none = (None,) * 4
+        key = ("gather_unit", fctx.tag, axis)
+        if axis in rctx.defer_axes:
+            # Sum(k microbatches) then reduce == reduce each then sum: send once, at the end.
+            rctx.deferred[key] = rctx.deferred[key] + flat if key in rctx.deferred else flat
+            if leaves:
+                return none + (None,) * len(fctx.shapes)
+            return none + tuple(torch.zeros(s, dtype=dt) for s, dt in zip(fctx.shapes, fctx.dtypes))
+        if key in rctx.deferred:
+            flat = flat + rctx.deferred.pop(key)
+        if leaves:
+            if rctx.landing is None:
+                rctx.landing = units.GradLanding()
+            rctx.landing.add(leaves, fctx.shapes,
+                             _start(rctx, "reduce_scatter", flat, axis, "gather_unit", fctx.tag, "backward"))
+            return none + (None,) * len(fctx.shapes)
+        out = _run(rctx, "reduce_scatter", flat, axis, (0,), "gather_unit", fctx.tag, "backward")
+        return none + tuple(units.unpack_shards(out, fctx.shapes))
+
+
+def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None) -> tuple:
+    """ZeRO-3 / FSDP: every parameter of a unit, Shard(dims[i]) -> Replicate for varying use,
+    in one flat all-gather; backward reduce-scatters their gradients in one flat buffer
+    (:mod:`autoshard.runtime.units`). ``prefetch=(next shards, next dims, next tag)`` starts the
+    next unit's gather as soon as this one is done, so it overlaps this unit's compute.
+
+    Trainable leaf shards (a ``LocalModule``'s parameters) get their gradients asynchronously:
+    the reduce-scatter starts when the unit's last gradient is ready and is added into
+    ``.grad`` when backward ends. Otherwise the gradients flow back through autograd.
+
+    Example::
+
+        wq, wk = gather_unit((wq_shard, wk_shard), "dp", (0, 0), tag=3)
+    """
+    shards = tuple(shards)
+    if not shards or not all(isinstance(s, torch.Tensor) for s in shards):
+        raise TypeError("gather_unit expects a non-empty tuple of tensors")
+    current("autoshard collective gather_unit").mesh.check_axis(axis)
+    dims = tuple(_dim(s, d, "gather_unit") for s, d in zip(shards, dims))
+    return _GatherUnit.apply(axis, dims, tag, prefetch, *shards)
 
 
 COLLECTIVES = {
@@ -346,5 +500,6 @@ COLLECTIVES = {
     "all_to_all": all_to_all,
     "to_partial": to_partial,
     "use_persistent": use_persistent,
+    "gather_unit": gather_unit,
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()

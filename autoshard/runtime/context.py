@@ -66,7 +66,11 @@ class RankContext:
     # Parameter gathers (by tag) whose full tensors are released after forward and gathered
     # again when backward needs them (ZeRO-3 / FSDP resharding); filled by the plan.
     reshard_tags: frozenset = frozenset()
-    reshard_live: dict = field(default_factory=dict)  # storage ptr of a live gather -> its source
+    reshard_live: dict = field(default_factory=dict)  # storage ptr of a live gather -> (source, index)
+    # ZeRO-3 units: gathers started ahead of use (tag -> Pending), and gradient reduce-scatters
+    # in flight until backward ends (a runtime.units.GradLanding).
+    prefetched: dict = field(default_factory=dict)
+    landing: Any = None
 
     def __post_init__(self):
         self.coords = self.mesh.coords(self.rank)

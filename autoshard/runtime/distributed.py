@@ -73,6 +73,22 @@ class DistributedBackend(Backend):
         work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis], async_op=True)
         return Pending(out, work)
 
+    def all_gather_async(self, x, axis, dim):
+        if dim != 0:
+            return super().all_gather_async(x, axis, dim)
+        front = x.detach().contiguous()
+        out = front.new_empty((self.mesh.axis_size(axis) * front.shape[0],) + front.shape[1:])
+        return Pending(out, _all_gather_1(out, front, group=self.groups[axis], async_op=True))
+
+    def reduce_scatter_async(self, x, axis, dim):
+        if dim != 0:
+            return super().reduce_scatter_async(x, axis, dim)
+        s = check_divisible(x, axis, dim, self.mesh.axis_size(axis), "reduce_scatter")
+        front = x.detach().contiguous()
+        out = front.new_empty((s,) + front.shape[1:])
+        return Pending(out, _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=self.groups[axis],
+                                              async_op=True))
+
     def all_gather(self, x, axis, dim):
         n = self.mesh.axis_size(axis)
         front = x.detach().movedim(dim, 0).contiguous()

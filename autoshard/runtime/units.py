@@ -1,0 +1,90 @@
+"""Flat buffers of a ZeRO-3 / FSDP *unit*: the parameters gathered and reduce-scattered together.
+
+A unit's parameters are each stored as this rank's block along their own dim ``d_i`` (their
+``ParamStorage``). One collective moves all of them: the all-gather input is this rank's blocks
+flattened and concatenated (``S`` elements); the output, ``n`` such rows in rank order, is cut
+into the whole parameters. The gradient reduce-scatter input has the same layout: row ``r``
+holds block ``r`` of every gradient, so rank ``r`` receives the sums of its own blocks. Sums
+are elementwise, so grouping changes no value: a unit's reduce-scatter equals its members'
+reduce-scatters bit for bit on every backend.
+
+Example::
+
+    flat = pack_shards([w_shard, b_shard])                     # this rank's S elements
+    fulls = unpack_full(all_gather(flat), shapes, dims, n)     # [w, b], whole
+    grads = unpack_shards(reduce_scatter(pack_grads([gw, gb], dims, n)), shapes)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def pack_shards(shards) -> torch.Tensor:
+    """This rank's blocks, flattened and concatenated: the all-gather input."""
+    return torch.cat([s.detach().reshape(-1) for s in shards])
+
+
+def full_shape(shard_shape, dim: int, n: int) -> tuple:
+    out = list(shard_shape)
+    out[dim] *= n
+    return tuple(out)
+
+
+def unpack_full(flat: torch.Tensor, shard_shapes, dims, n: int) -> list:
+    """Whole parameters from the gathered ``[n * S]`` buffer (rank-major rows)."""
+    rows = flat.view(n, -1)
+    out, off = [], 0
+    for shape, d in zip(shard_shapes, dims):
+        k = math.prod(shape)
+        piece = rows[:, off:off + k].reshape(n, *shape)
+        # rank blocks sit along dim d: move the rank index next to it and merge the two
+        out.append(piece.movedim(0, d).reshape(full_shape(shape, d, n)))
+        off += k
+    return out
+
+
+def pack_grads(grads, dims, n: int) -> torch.Tensor:
+    """The reduce-scatter input ``[n * S]``: row ``r`` is block ``r`` of every gradient."""
+    cols = [g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0).reshape(n, -1) for g, d in zip(grads, dims)]
+    return torch.cat(cols, 1).reshape(-1)
+
+
+def unpack_shards(flat: torch.Tensor, shard_shapes) -> list:
+    """This rank's gradient blocks from its ``[S]`` reduce-scatter output (views)."""
+    out, off = [], 0
+    for shape in shard_shapes:
+        k = math.prod(shape)
+        out.append(flat[off:off + k].view(shape))
+        off += k
+    return out
+
+
+class GradLanding:
+    """Reduce-scatters in flight for leaf shards: waited for when backward ends (autograd's
+    final callback, before any optimizer step can run), then added into ``.grad``.
+
+    Example::
+
+        landing.add(shards, shapes, pending)      # inside backward
+        # ... when loss.backward() returns, every shard's .grad holds its reduced block
+    """
+
+    def __init__(self):
+        self.pending: list = []
+
+    def add(self, shards, shard_shapes, pending) -> None:
+        if not self.pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.land)
+        self.pending.append((shards, shard_shapes, pending))
+
+    def land(self) -> None:
+        pending, self.pending = self.pending, []
+        for shards, shapes, p in pending:
+            for s, g in zip(shards, unpack_shards(p.wait(), shapes)):
+                g = g.to(s.dtype)
+                if s.grad is None:
+                    s.grad = g
+                else:
+                    s.grad += g
