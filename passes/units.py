@@ -16,8 +16,8 @@ A unit policy says which parameters go together (names are parameter FQNs):
 - ``"model"``: one unit for all;
 - ``"param"``: no grouping (one gather and one reduce-scatter per parameter);
 - a list of module prefixes or globs (``["layers.*", "embed"]``): a parameter joins the unit of
-  the longest prefix it falls under (each module a glob matches is its own unit), the rest form
-  one unit.
+  the longest prefix it falls under (``*`` is one path component; each module a glob matches is
+  its own unit), the rest form one unit.
 
 Example::
 
@@ -27,8 +27,8 @@ Example::
 """
 from __future__ import annotations
 
-import fnmatch
 import operator
+import re
 
 from autoshard.runtime import collectives as C
 
@@ -55,15 +55,17 @@ def unit_of(fqn: str, policy) -> str:
         return ""
     if policy == "param":
         return fqn
-    best = ""
-    for pattern in policy:
-        parts = fqn.split(".")
-        for k in range(len(parts), 0, -1):
-            prefix = ".".join(parts[:k])
-            if fnmatch.fnmatchcase(prefix, pattern) and len(prefix) > len(best):
-                best = prefix
-                break
-    return best
+    parts = fqn.split(".")
+    for k in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:k])
+        if any(_module_glob(p).fullmatch(prefix) for p in policy):
+            return prefix
+    return ""
+
+
+def _module_glob(pattern: str):
+    # "*" stands for one path component ("layers.*" matches "layers.3", not "layers.3.mlp")
+    return re.compile(".".join("[^.]*" if c == "*" else re.escape(c) for c in pattern.split(".")))
 
 
 def check_policy(policy):

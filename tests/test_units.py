@@ -1,0 +1,113 @@
+"""ZeRO-3 units: parameters gathered and reduce-scattered in one flat buffer per unit, prefetched.
+Grouping moves the same values, so every policy trains bit for bit like one collective per
+parameter; the plan lists one all-gather and one reduce-scatter per unit with its parameters."""
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Mesh
+from autoshard.passes.units import unit_of
+from autoshard.runtime import all_gather_varying, run_simulated
+from autoshard.runtime.collectives import gather_unit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.models import llama_tiny  # noqa: E402
+
+MESH, LAYOUT = {"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"}
+
+
+def adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+
+def zero3(units, reshard=True, **config):
+    model, args, dims = llama_tiny(with_labels=True, **config)
+    plan = autoshard.autoshard(model, args, mesh=Mesh(MESH), dims=dims, layout=LAYOUT, train=True, zero_stage=3,
+                               reshard_after_forward=reshard, units=units)
+    return plan, args
+
+
+def test_gather_unit_equals_per_parameter_gathers_and_gradients():
+    """Two shards on different dims (0 and 1) in one flat buffer: the same whole tensors, and
+    (through the asynchronous landing in .grad) the same gradient blocks."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(4, 6), torch.randn(4, 4), torch.randn(2, 3, 6)
+
+    def body(rank, grouped):
+        ws = torch.nn.Parameter(w.chunk(2, 0)[rank].clone())
+        bs = torch.nn.Parameter(b.chunk(2, 1)[rank].clone())
+        wf, bf = (gather_unit((ws, bs), "dp", (0, 1), tag=0) if grouped
+                  else (all_gather_varying(ws, "dp", 0), all_gather_varying(bs, "dp", 1)))
+        assert torch.equal(wf, w) and torch.equal(bf, b)
+        ((x[rank] @ wf.T) @ bf).pow(2).sum().backward()
+        return ws.grad, bs.grad
+
+    grouped = run_simulated(Mesh({"dp": 2}), lambda r: body(r, True))
+    single = run_simulated(Mesh({"dp": 2}), lambda r: body(r, False))
+    for g, s in zip(grouped, single):
+        assert all(torch.equal(a, c) for a, c in zip(g, s))
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_units_train_bit_for_bit_like_one_collective_per_parameter(reshard):
+    """3 AdamW steps (dp=2 x tp=2): per block, one unit for everything, and a user's prefixes
+    all give the per-parameter result exactly; one forward gather per unit and step."""
+    results = {}
+    for units in ("param", "block", "model", ["layers.*"]):
+        plan, args = zero3(units, reshard)
+        results[str(units)] = plan.simulate_train([args] * 3, optimizer=adamw)
+        n_units = len(plan.program.units) if units != "param" else None
+        ran = collections.Counter((r.phase, r.kind) for r in plan.last_trace[0] if r.op == "gather_unit")
+        if n_units:
+            assert ran[("forward", "all_gather")] == ran[("backward", "reduce_scatter")] == 3 * n_units
+    ref_losses, ref_params = results["param"]
+    for key, (losses, params) in results.items():
+        assert losses == ref_losses, key
+        for fqn, p in ref_params.items():
+            assert torch.equal(params[fqn], p), (key, fqn)
+
+
+def test_plan_lists_one_gather_and_reduce_scatter_per_unit_with_its_parameters():
+    plan, _ = zero3("block", num_layers=3)
+    units = plan.program.units
+    assert [u[0] for u in units] == ["<before blocks>", "layers.0", "layers.1", "layers.2", "<after blocks>"]
+    for name, tag, members in units:
+        recs = [c for c in plan.collectives if c.tag == tag]
+        assert sorted((c.phase, c.kind) for c in recs) == [("backward", "all_gather"), ("backward", "reduce_scatter"),
+                                                           ("forward", "all_gather")]
+        fwd = next(c for c in recs if c.phase == "forward")
+        assert len(fwd.params) == len(members) and all(p.startswith(name) for p in fwd.params if "<" not in name)
+        # the bytes are this rank's shards of every member
+        shards = [n.meta["val"] for n in plan.graph_module.graph.nodes if n.op == "placeholder" and n.name in members]
+        assert fwd.bytes == sum(v.numel() * v.element_size() for v in shards)
+        assert "one flat buffer" in fwd.why
+    assert not any(c.op == "all_gather_varying" and "ZeRO" in c.why for c in plan.collectives)
+    assert "layers.1" in str(plan) and "gather_unit" in plan.graph_module.code
+
+
+def test_unit_policies_and_errors():
+    assert unit_of("model.layers.3.attention.wq.weight", "block") == "model.layers.3"
+    assert unit_of("model.norm.weight", "block") == ""
+    assert unit_of("model.layers.3.attention.wq.weight", ["model.layers.*.attention", "model.layers.*"]) \
+        == "model.layers.3.attention"
+    assert unit_of("model.layers.3.mlp.w1.weight", ["model.layers.*.attention"]) == ""
+    with pytest.raises(ValueError, match="units="):
+        zero3("blocks")
+
+
+def test_gradient_accumulation_with_units_is_exact():
+    """no_sync over units: the flat gradient buffers are summed locally and reduce-scattered
+    once, in the last microbatch; equals one collective per parameter bit for bit."""
+    out = {}
+    for units in ("param", "block"):
+        plan, args = zero3(units)
+        out[units] = plan.simulate_train([[args, args]] * 2, optimizer=adamw, microbatches=2)
+        if units == "block":
+            rs = [r for r in plan.last_trace[0] if r.kind == "reduce_scatter" and r.axis == "dp"]
+            assert len(rs) == 2 * len(plan.program.units)  # 2 steps, the second microbatch of each
+    assert out["param"][0] == out["block"][0]
+    assert all(torch.equal(out["param"][1][k], v) for k, v in out["block"][1].items())
