@@ -52,9 +52,10 @@ class Backend:
     def all_to_all(self, x: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def all_reduce_async(self, x: torch.Tensor, axis: str) -> "Pending":
+    def all_reduce_async(self, x: torch.Tensor, axis: str, consume: bool = False) -> "Pending":
         """Start a sum all-reduce; ``.wait()`` returns the result. Backends that cannot overlap
-        communication with compute finish it here."""
+        communication with compute finish it here. ``consume=True``: ``x`` is a private buffer
+        the result may be written into (no copy)."""
         return Pending(result=self.all_reduce(x, axis))
 
     def all_gather_async(self, x: torch.Tensor, axis: str, dim: int) -> "Pending":

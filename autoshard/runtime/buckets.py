@@ -80,7 +80,7 @@ class GradBuckets:
         ps = [self.params[n] for n in self.buckets[k]]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
         ctx = self.ctx
-        self.pending.append((k, ctx.backend.all_reduce_async(flat, self.axis)))
+        self.pending.append((k, ctx.backend.all_reduce_async(flat, self.axis, consume=True)))
         ctx.trace.append(CollectiveRecord(kind="all_reduce", axis=self.axis, bytes=flat.numel() * flat.element_size(),
                                           phase="backward", tag=self.tags[k], op="grad_bucket",
                                           shape=tuple(flat.shape), dtype=flat.dtype))
@@ -99,7 +99,7 @@ class GradBuckets:
                 piece = summed[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
                 if p.grad is None:
-                    p.grad = piece.clone()
+                    p.grad = piece  # a view of the bucket's private result: no copy
                 else:
                     p.grad.copy_(piece)
         self._reset()

@@ -68,8 +68,8 @@ class DistributedBackend(Backend):
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis])
         return out
 
-    def all_reduce_async(self, x, axis):
-        out = x.contiguous().clone()
+    def all_reduce_async(self, x, axis, consume=False):
+        out = x if consume and x.is_contiguous() else x.contiguous().clone()
         work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis], async_op=True)
         return Pending(out, work)
 
