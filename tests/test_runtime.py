@@ -46,6 +46,7 @@ KINDS = {
     "all_to_all": ("all_to_all", "all_to_all"),
     "to_partial": (None, None),
     "use_persistent": (None, "reduce_scatter"),
+    "gather_unit": ("all_gather", "reduce_scatter"),  # semantics: tests/test_units.py
 }
 
 
