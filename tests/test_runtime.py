@@ -46,6 +46,8 @@ KINDS = {
     "all_to_all": ("all_to_all", "all_to_all"),
     "to_partial": (None, None),
     "use_persistent": (None, "reduce_scatter"),
+    "send": ("send", "recv"),  # pipeline boundaries: tests/test_pipeline.py
+    "recv": ("recv", "send"),
 }
 
 
