@@ -155,7 +155,9 @@ class PipelinePlan(Plan):
         name = slots.get(fqn, slots.get(self.captured.aliases.get(fqn, fqn)))
         return next(st.index % pp for st in self.pipe.stages if any(ref == name for _, ref in st.inputs))
 
-    def _assemble_state(self, per_rank: list) -> dict:
+    def assemble_params(self, per_rank: list) -> dict:
+        """Whole tensors by FQN from every rank's ``{FQN: local piece}`` (parameters or their
+        gradients), each taken from the first pipeline rank holding it."""
         out = {}
         fqns = sorted({f for d in per_rank for f in d})
         for fqn in fqns:
@@ -199,7 +201,7 @@ class PipelinePlan(Plan):
         """One step's forward and backward (the plan's schedule) on the simulated mesh:
         ``(outputs, {param FQN: full gradient})``."""
         results = self._run([(args, kwargs)], train=True)
-        return self._outputs(results), self._assemble_state([r[2] for r in results])
+        return self._outputs(results), self.assemble_params([r[2] for r in results])
 
     def simulate_train(self, batches, optimizer=None, microbatches: int = 1):
         """Train on the simulated mesh: one pipelined step (the plan's schedule over its
@@ -213,7 +215,7 @@ class PipelinePlan(Plan):
         last = (len(self.pipe.stages) - 1) % self.mesh.axes[self.axis]
         holder = self.mesh.rank_of({**self.mesh.coords(0), self.axis: last})
         losses = [float(x) for x in results[holder][0]]
-        return losses, self._assemble_state([r[3] for r in results])
+        return losses, self.assemble_params([r[3] for r in results])
 
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
