@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import sys
 import time
@@ -41,7 +42,7 @@ from autoshard.passes.program import build_program
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, hardware=None, search: Optional[bool] = None,
-              pipeline: Optional[dict] = None, verbose: bool = False) -> Plan:
+              pipeline: Optional[dict] = None, verbose: bool = False, captured=None) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -55,12 +56,19 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ``search=False`` never searches). It also picks ``zero_stage`` (and
     ``reshard_after_forward``) for training when they are None. ``hardware``: a
     ``cost.Hardware``, ``CostModel``, preset name (``"h100"``, ``"cpu-gloo"``) or calibrated JSON
-    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``.
+    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``. ``captured``: the ``plan.captured``
+    of an earlier plan of the same model and inputs, to plan again (another mesh, layout or
+    dims) without running torch.export again::
+
+        dp = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"})
+        tp = autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, layout={"heads": "tp"},
+                                 captured=dp.captured)
 
     ``pipeline``: ``{"axis": "pp", "microbatches": 8, "schedule": "1f1b", "virtual": 1, "cuts":
     ["layers.4"]}`` splits the layer sequence over that mesh axis (a mesh axis named ``pp``
     implies it); keys left out are chosen by the planner. ``args`` is then one step's whole
-    batch, split along dim 0 into the microbatches. See :mod:`autoshard.pipeline_plan`."""
+    batch, split along dim 0 into the microbatches (a ``captured`` graph must then be of one
+    microbatch). See :mod:`autoshard.pipeline_plan`."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -80,10 +88,10 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     if pipe is not None:
         pp = mesh.axes[pipe.axis] * (pipe.virtual or 1)
         pipe.microbatches = pipe.microbatches or default_microbatches(args, kwargs, pp)
-        cap = capture(model, *first_microbatch(args, kwargs, pipe.microbatches))
+        cap = captured if captured is not None else capture(model, *first_microbatch(args, kwargs, pipe.microbatches))
         tag_origins(cap.graph)  # so stage boundaries can name the captured values they carry
     else:
-        cap = capture(model, args, kwargs)
+        cap = captured if captured is not None else capture(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
 
@@ -198,6 +206,8 @@ def apply_dim_names(info, cap, dims) -> None:
         if node.op == "placeholder":
             by_target[node.name] = node
     targets = {i.target: by_target[i.name] for i in cap.inputs if i.name in by_target}
+    # A tied parameter answers to every name it has (lm_head.weight for embed_tokens.weight).
+    targets.update({alias: targets[kept] for alias, kept in cap.aliases.items() if kept in targets})
     if isinstance(dims, (list, tuple)):
         names = cap.arg_names
         items = {}
@@ -207,6 +217,7 @@ def apply_dim_names(info, cap, dims) -> None:
             key = names[k] if k < len(names) else f"args[{k}]"
             items[key] = spec
         dims = items
+    first_use: dict = {}  # name -> (size, "target dim d") where it was first given
     for key, spec in dims.items():
         matched = [t for t in targets if t == key] or [t for t in targets if fnmatch.fnmatchcase(t, key)]
         if not matched:
@@ -232,3 +243,10 @@ def apply_dim_names(info, cap, dims) -> None:
                     raise LayoutError(f"dim {d} of {target} is named {word!r}, but dataflow makes it the same "
                                       f"logical dim as {old!r}; use one name")
                 info.names[lv] = word
+                size = math.prod(info.table.size[a] for a in lv)
+                seen = first_use.setdefault(word, (size, f"dim {d} of {target}"))
+                if seen[0] != size:
+                    raise LayoutError(f"dims name {word!r} is given to two unrelated dims of different sizes: "
+                                      f"{seen[1]} (size {seen[0]}) and dim {d} of {target} (size {size}); a name is "
+                                      f"one logical dim: give one of them another name (e.g. via a narrower glob "
+                                      f"than {key!r})")
