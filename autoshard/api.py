@@ -27,9 +27,12 @@ from typing import Optional
 import torch
 
 from .mesh import AutoMesh, Mesh
+from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline, first_microbatch,
+                            pipeline_options)
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
+from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
 from autoshard.cost.units import choose_units
@@ -41,7 +44,8 @@ from autoshard.passes.units import check_policy
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
-              search: Optional[bool] = None, verbose: bool = False, captured=None) -> Plan:
+              search: Optional[bool] = None, pipeline: Optional[dict] = None, verbose: bool = False,
+              captured=None) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -65,7 +69,13 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
 
         dp = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"})
         tp = autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, layout={"heads": "tp"},
-                                 captured=dp.captured)"""
+                                 captured=dp.captured)
+
+    ``pipeline``: ``{"axis": "pp", "microbatches": 8, "schedule": "1f1b", "virtual": 1, "cuts":
+    ["layers.4"]}`` splits the layer sequence over that mesh axis (a mesh axis named ``pp``
+    implies it); keys left out are chosen by the planner. ``args`` is then one step's whole
+    batch, split along dim 0 into the microbatches (a ``captured`` graph must then be of one
+    microbatch). See :mod:`autoshard.pipeline_plan`."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -77,9 +87,18 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     if meshes is None:
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     searching = _wants_search(layout, search, meshes, memory_limit)
+    pipe = pipeline_options(pipeline, mesh)
+    if pipe is not None and meshes is None and len(mesh.axes) == 1:
+        searching = False  # the pipeline axis is the whole mesh: nothing else to lay out
     timings = {}
     t0 = time.perf_counter()
-    cap = captured if captured is not None else capture(model, args, kwargs)
+    if pipe is not None:
+        pp = mesh.axes[pipe.axis] * (pipe.virtual or 1)
+        pipe.microbatches = pipe.microbatches or default_microbatches(args, kwargs, pp)
+        cap = captured if captured is not None else capture(model, *first_microbatch(args, kwargs, pipe.microbatches))
+        tag_origins(cap.graph)  # so stage boundaries can name the captured values they carry
+    else:
+        cap = captured if captured is not None else capture(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
 
@@ -95,13 +114,15 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     if searching:
         t = time.perf_counter()
         cost_model = resolve_cost_model(hardware)
+        search_meshes = meshes or [mesh if pipe is None else Mesh({a: n for a, n in mesh.axes.items() if a != pipe.axis})]
         search_result = plan_search(
-            cap.graph, cap.inputs, info, meshes or [mesh], _constraints(layout, search, info),
+            cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
             train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
             memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
             display={i.name: i.target for i in cap.inputs},
             units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"))
-        mesh, layout = search_result.mesh, search_result.layout
+        layout = search_result.layout
+        mesh = search_result.mesh if pipe is None else mesh
         if train and zero_stage is None:
             zero_stage = search_result.zero_stage
             reshard_after_forward = search_result.reshard_after_forward if zero_stage == 3 else None
@@ -117,9 +138,9 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     def build(policy):
         return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
                              reshard=True if reshard_after_forward is None else reshard_after_forward,
-                             bucket_mb=bucket_mb, display=display, units=policy)
+                             bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy)
 
-    if units is None and stage == 3 and bucket_mb and searching:
+    if units is None and stage == 3 and bucket_mb and searching and pipe is None:
         # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
         cm = cost_model or _cost_model(hardware)
         vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
@@ -127,12 +148,19 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             build, lambda b: program_cost(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
                                           data_axes=b[1]), memory_limit)
     else:
-        units = check_policy(units) if units is not None else ("param" if not bucket_mb else "block")
+        # (pipelined plans gather per parameter: a stage cut does not split units yet)
+        units = check_policy(units) if units is not None else (
+            "param" if not bucket_mb or pipe is not None else "block")
         program, axes = build(units)
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
-    plan = Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
-                train=train, timings=timings, zero_stage=stage, data_axes=axes)
+    fields = dict(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
+                  train=train, timings=timings, zero_stage=stage, data_axes=axes)
+    if pipe is not None:
+        # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
+        plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe)
+    else:
+        plan = Plan(**fields)
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     plan.units = units

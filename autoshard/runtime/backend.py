@@ -11,6 +11,14 @@ Semantics, for a group of ``n`` ranks in axis-coordinate order and this rank at 
 - ``reduce_scatter(x, axis, dim)``: chunk ``i`` (of ``n`` equal chunks along ``dim``) of the sum.
 - ``all_to_all(x, axis, scatter_dim, gather_dim)``: ``cat([chunk_i(x_j, scatter_dim) for j], gather_dim)``.
 
+Point to point (pipeline stage boundaries), with ``peer`` a coordinate on ``axis`` (the other
+coordinates are this rank's) and ``message`` a number both sides agree on:
+
+- ``send(x, axis, peer, message)``: hand ``x`` over without waiting for the receiver (the
+  backend keeps what it needs until ``wait_sends``);
+- ``recv(template, axis, peer, message)``: wait for that message, a tensor shaped like
+  ``template``.
+
 Results are always fresh tensors, never views of ``x``.
 """
 from __future__ import annotations
@@ -51,6 +59,15 @@ class Backend:
 
     def all_to_all(self, x: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def send(self, x: torch.Tensor, axis: str, peer: int, message: int) -> None:
+        raise NotImplementedError
+
+    def recv(self, template: torch.Tensor, axis: str, peer: int, message: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wait_sends(self) -> None:
+        """Block until every send of this rank has left (buffers may be reused after)."""
 
     def all_reduce_async(self, x: torch.Tensor, axis: str, consume: bool = False) -> "Pending":
         """Start a sum all-reduce; ``.wait()`` returns the result. Backends that cannot overlap
