@@ -17,6 +17,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import math
 import re
@@ -25,6 +26,7 @@ import time
 from typing import Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .mesh import AutoMesh, Mesh
 from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline, first_microbatch,
@@ -45,7 +47,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, verbose: bool = False,
-              captured=None) -> Plan:
+              captured=None, precision=None) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -63,7 +65,10 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ``search=False`` never searches). It also picks ``zero_stage`` (and
     ``reshard_after_forward``) for training when they are None. ``hardware``: a
     ``cost.Hardware``, ``CostModel``, preset name (``"h100"``, ``"cpu-gloo"``) or calibrated JSON
-    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``. ``captured``: the ``plan.captured``
+    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``. ``precision={"param": torch.bfloat16,
+    "reduce": torch.float32}``: mixed precision (parameters, activations and gathers in
+    ``param``; gradient sums in ``reduce``; 16-bit parameters are stepped through fp32 master
+    copies of each rank's slices by ``plan.optimizer``). ``captured``: the ``plan.captured``
     of an earlier plan of the same model and inputs, to plan again (another mesh, layout or
     dims) without running torch.export again::
 
@@ -90,6 +95,10 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     pipe = pipeline_options(pipeline, mesh)
     if pipe is not None and meshes is None and len(mesh.axes) == 1:
         searching = False  # the pipeline axis is the whole mesh: nothing else to lay out
+    param_dtype, reduce_dtype = check_precision(precision)
+    if captured is None and param_dtype is not None:
+        # the program is captured in the parameter dtype: every value, gather and byte count in it
+        model, args, kwargs = cast_for_precision(model, args, kwargs, param_dtype)
     timings = {}
     t0 = time.perf_counter()
     if pipe is not None:
@@ -164,7 +173,44 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     plan.units = units
+    plan.reduce_dtype = reduce_dtype
+    if reduce_dtype is not None:
+        widen_gradient_sums(program, reduce_dtype, param_dtype)
     return plan
+
+
+def check_precision(precision):
+    """``(param dtype, reduce dtype)`` from ``precision`` (None: both None)."""
+    if precision is None:
+        return None, None
+    if not isinstance(precision, dict) or not set(precision) <= {"param", "reduce"}:
+        raise ValueError(f"precision={precision!r}: give a dict with keys 'param' and/or 'reduce', e.g. "
+                         f"{{'param': torch.bfloat16, 'reduce': torch.float32}}")
+    out = []
+    for key in ("param", "reduce"):
+        d = precision.get(key)
+        if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+            raise ValueError(f"precision[{key!r}] must be a floating torch dtype, not {d!r}")
+        out.append(d)
+    return tuple(out)
+
+
+def cast_for_precision(model, args, kwargs, dtype):
+    """A copy of ``model`` with floating parameters and buffers in ``dtype``, and floating
+    example inputs cast alike (the user's model is left as it is)."""
+    cast = copy.deepcopy(model).to(dtype)
+    conv = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return cast, pytree.tree_map(conv, tuple(args)), pytree.tree_map(conv, dict(kwargs or {}))
+
+
+def widen_gradient_sums(program, reduce_dtype, param_dtype) -> None:
+    """Backward sums run in ``reduce_dtype``: their records carry its bytes."""
+    src = torch.empty((), dtype=param_dtype or torch.float32).element_size()
+    wide = torch.empty((), dtype=reduce_dtype).element_size()
+    for c in program.collectives:
+        if c.phase == "backward" and c.kind in ("all_reduce", "reduce_scatter") and wide != src:
+            c.bytes = c.bytes * wide // src
+            c.why += f" (summed in {str(reduce_dtype).replace('torch.', '')})"
 
 
 def _cost_model(hardware):

@@ -171,7 +171,8 @@ class Plan:
                               prog.storage.get(name), inp.trainable, zero1, shape, dtype))
         self._rank_spec = RankSpec(mesh, prog.graph_module, slots, list(self.data_axes), prog.reshard_tags,
                                    list(prog.buckets), cap.flatten_args,
-                                   lambda flat: pytree.tree_unflatten(flat, cap.out_spec))
+                                   lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
+                                   getattr(self, "reduce_dtype", None))
         return self._rank_spec
 
     def optimizer(self, local: LocalModule, optimizer_cls, **kwargs) -> ShardedOptimizer:

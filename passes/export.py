@@ -386,6 +386,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "loss_output": plan.loss_index(),
         "aliases": dict(plan.captured.aliases),
         "reshard_tags": sorted(plan.program.reshard_tags),
+        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if getattr(plan, "reduce_dtype", None) else None,
         "grad_buckets": _grad_buckets(plan),
         "weights": {"file": weights_file, "checkpoint": checkpoint},
         "example_inputs": INPUTS if has_inputs else None,

@@ -264,7 +264,8 @@ class RankProgram:
         buckets = doc.get("grad_buckets") or {}
         spec = RankSpec(mesh, program.forward, slots, [buckets["axis"]] if buckets.get("axis") else [],
                         frozenset(doc.get("reshard_tags") or ()),
-                        [(b["tag"], list(b["params"])) for b in buckets.get("buckets", [])] if train else [])
+                        [(b["tag"], list(b["params"])) for b in buckets.get("buckets", [])] if train else [],
+                        reduce_dtype=getattr(torch, doc["reduce_dtype"]) if doc.get("reduce_dtype") else None)
         lookup = lambda slot: weights.find(slot.target) if slot.shape is not None else None  # noqa: E731
         self.local = LocalModule(spec, rank, lookup, device)
         self.params = {self.local.fqn_of[n]: p for n, p in self.local.named_parameters() if p.requires_grad}
@@ -420,6 +421,10 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _close(a, b, rtol, atol) -> bool:
+    if a.dtype in (torch.bfloat16, torch.float16):
+        # mixed precision: a 16-bit value rounds at ~2^-8 relative, and sums in another order
+        # (the reference runs unsharded) differ by a few such steps
+        rtol, atol = max(rtol, 2e-2), max(atol, 2e-3)
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol)
 
 

@@ -80,6 +80,8 @@ class GradBuckets:
         ps = [self.params[n] for n in self.buckets[k]]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
         ctx = self.ctx
+        if ctx.reduce_dtype is not None and flat.is_floating_point():
+            flat = flat.to(ctx.reduce_dtype)  # mixed precision: sum in the reduce dtype
         self.pending.append((k, ctx.backend.all_reduce_async(flat, self.axis, consume=True)))
         ctx.trace.append(CollectiveRecord(kind="all_reduce", axis=self.axis, bytes=flat.numel() * flat.element_size(),
                                           phase="backward", tag=self.tags[k], op="grad_bucket",
@@ -96,7 +98,7 @@ class GradBuckets:
             offset = 0
             for n in self.buckets[k]:
                 p = self.params[n]
-                piece = summed[offset: offset + p.numel()].view_as(p)
+                piece = summed[offset: offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
                 if p.grad is None:
                     p.grad = piece  # a view of the bucket's private result: no copy

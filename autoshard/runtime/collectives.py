@@ -175,7 +175,17 @@ def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
             return grad.new_zeros(shape)
         if key in rctx.deferred:
             grad = grad + rctx.deferred.pop(key)
+        wide = reduce_dtype_for(rctx, grad)
+        if wide is not None:
+            return _run(rctx, primitive, grad.to(wide), fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag,
+                        "backward").to(grad.dtype)
     return _run(rctx, primitive, grad, fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag, "backward")
+
+
+def reduce_dtype_for(rctx: RankContext, grad: torch.Tensor):
+    """The dtype a gradient sum runs in under mixed precision (None: its own)."""
+    r = rctx.reduce_dtype
+    return r if r is not None and grad.is_floating_point() and grad.dtype != r else None
 
 
 class _UsePersistent(torch.autograd.Function):
@@ -528,6 +538,9 @@ class _GatherUnit(torch.autograd.Function):
         grads = [g.detach() if g is not None else torch.zeros(shape, dtype=dt)
                  for g, shape, dt in zip(grads, fctx.full_shapes, fctx.dtypes)]
         flat = units.pack_grads(grads, fctx.dims, n)
+        wide = reduce_dtype_for(rctx, flat)
+        if wide is not None:
+            flat = flat.to(wide)
         none = (None,) * 4
         key = ("gather_unit", fctx.tag, axis)
         if axis in rctx.defer_axes:
@@ -535,7 +548,7 @@ class _GatherUnit(torch.autograd.Function):
             rctx.deferred[key] = rctx.deferred[key] + flat if key in rctx.deferred else flat
             if leaves:
                 return none + (None,) * len(fctx.shapes)
-            return none + tuple(torch.zeros(s, dtype=dt) for s, dt in zip(fctx.shapes, fctx.dtypes))
+            return none + tuple(torch.zeros(s, dtype=dt, device=flat.device) for s, dt in zip(fctx.shapes, fctx.dtypes))
         if key in rctx.deferred:
             flat = flat + rctx.deferred.pop(key)
         if leaves:
@@ -545,7 +558,7 @@ class _GatherUnit(torch.autograd.Function):
                              _start(rctx, "reduce_scatter", flat, axis, "gather_unit", fctx.tag, "backward"))
             return none + (None,) * len(fctx.shapes)
         out = _run(rctx, "reduce_scatter", flat, axis, (0,), "gather_unit", fctx.tag, "backward")
-        return none + tuple(units.unpack_shards(out, fctx.shapes))
+        return none + tuple(g.to(dt) for g, dt in zip(units.unpack_shards(out, fctx.shapes), fctx.dtypes))
 
 
 def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None) -> tuple:

@@ -70,6 +70,9 @@ class RankContext:
     # ZeRO-3 units: gathers started ahead of use (tag -> Pending), and gradient reduce-scatters
     # in flight until backward ends (a runtime.units.GradLanding).
     prefetched: dict = field(default_factory=dict)
+    # Mixed precision: backward sums (gradient reductions) run in this dtype, results are cast
+    # back to the gradient's dtype.
+    reduce_dtype: Any = None
     landing: Any = None
 
     def __post_init__(self):

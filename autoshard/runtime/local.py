@@ -77,6 +77,7 @@ class RankSpec:
     buckets: list = field(default_factory=list)  # (tag, [parameter placeholder names]) in launch order
     flatten: Callable | None = None  # (args, kwargs) -> flat user inputs
     unflatten: Callable | None = None  # flat outputs -> the model's output structure
+    reduce_dtype: torch.dtype | None = None  # mixed precision: gradient sums run in this dtype
 
 
 class LocalModule(nn.Module):
@@ -131,8 +132,12 @@ class LocalModule(nn.Module):
         for slot in self.spec.slots:
             if slot.kind == "user":
                 v = next(users)
-                out.append(local_piece(v.detach(), slot.placement, self.spec.mesh, self.rank).to(
-                    device=self.device, copy=True) if isinstance(v, torch.Tensor) else v)
+                if isinstance(v, torch.Tensor):
+                    # floating inputs take the program's dtype (mixed precision: the parameters')
+                    dtype = slot.dtype if v.is_floating_point() and slot.shape is not None else v.dtype
+                    v = local_piece(v.detach(), slot.placement, self.spec.mesh, self.rank).to(
+                        device=self.device, dtype=dtype, copy=True)
+                out.append(v)
             elif slot.kind == "full":
                 out.append(self._values[slot.target + "_full"])
             else:
@@ -146,6 +151,8 @@ class LocalModule(nn.Module):
     def run_flat(self, flat_user: list) -> list:
         """The program's flat local outputs for the flat global user inputs."""
         inputs = self.local_inputs(flat_user)
+        if self.spec.reduce_dtype is not None:
+            current("LocalModule").reduce_dtype = self.spec.reduce_dtype
         if not self.spec.reshard_tags or not torch.is_grad_enabled():
             return list(self.spec.forward(*inputs))
         current("LocalModule").reshard_tags = self.spec.reshard_tags
@@ -181,9 +188,14 @@ class LocalModule(nn.Module):
         return {self.fqn_of[n]: p.detach().clone() for n, p in self.named_parameters()}
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class ShardedOptimizer:
     """A torch optimizer stepping this rank's slice of every parameter, plus the optimizer-phase
-    all-gathers of ZeRO-1 and ZeRO-2.
+    all-gathers of ZeRO-1 and ZeRO-2. 16-bit parameters are stepped through fp32 master copies
+    of this rank's slices (mixed precision): the gradient is cast up, the inner optimizer steps
+    the master, and the parameter receives the master cast down.
 
     Example::
 
@@ -196,6 +208,7 @@ class ShardedOptimizer:
         mesh, slots = local.spec.mesh, {s.name: s for s in local.spec.slots}
         self.slices = []  # ZeRO-1: (slice parameter, whole parameter, axis, dim, start)
         self.refresh = []  # ZeRO-2: (shard parameter, full copy, axis, dim)
+        self.masters = []  # mixed precision: (fp32 master, the 16-bit tensor it updates)
         params = []
         for name, p in local.named_parameters():
             if not p.requires_grad:
@@ -207,11 +220,11 @@ class ShardedOptimizer:
                 start = mesh.coords(local.rank)[axis] * n
                 s = nn.Parameter(p.detach().narrow(d, start, n))  # a view: stepping it updates p
                 self.slices.append((s, p, axis, d, start))
-                params.append(s)
+                params.append(self._master(s))
                 continue
             if slot.storage is not None and slot.storage.mode == "persistent":
                 self.refresh.append((p, getattr(local, name + "_full"), slot.storage.axis, slot.storage.dim))
-            params.append(p)
+            params.append(self._master(p))
         self.inner = factory(params)
         sharded = any(s.kind == "parameter" and any(not isinstance(o, Replicate) for o in s.placement)
                       for s in slots.values())
@@ -220,11 +233,22 @@ class ShardedOptimizer:
                              f"step on parameter shards; use one of "
                              f"{sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)} or a plan without sharded state")
 
+    def _master(self, p):
+        if p.dtype not in LOW_PRECISION:
+            return p
+        m = nn.Parameter(p.detach().float())
+        self.masters.append((m, p))
+        return m
+
     @torch.no_grad()
     def step(self):
         for s, p, _, d, start in self.slices:
             s.grad = None if p.grad is None else p.grad.narrow(d, start, s.shape[d])
+        for m, p in self.masters:
+            m.grad = None if p.grad is None else p.grad.float()
         self.inner.step()
+        for m, p in self.masters:
+            p.copy_(m)
         with trace_phase("optimizer"):
             for s, p, axis, d, _ in self.slices:
                 p.copy_(all_gather(s, axis, d))
@@ -236,9 +260,9 @@ class ShardedOptimizer:
         self.local.zero_grad(set_to_none=set_to_none)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (per-element buffers; step counters
-        excluded)."""
-        total = 0
+        """Bytes of optimizer state this rank holds (per-element buffers and fp32 master copies;
+        step counters excluded)."""
+        total = sum(m.numel() * m.element_size() for m, _ in self.masters)
         for state in self.inner.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -249,7 +273,8 @@ class ShardedOptimizer:
 def predicted_state_bytes(spec: RankSpec, optimizer_states: int = 2) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank holds under ``spec``, from
     placements alone: ``optimizer_states`` per-element buffers (2 for Adam/AdamW, 1 for SGD
-    with momentum)."""
+    with momentum); 16-bit parameters add an fp32 master copy and keep fp32 state (the seed's
+    2 + 2 + 12 bytes per parameter for bf16 with Adam)."""
     mesh = spec.mesh
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for slot in spec.slots:
@@ -263,5 +288,6 @@ def predicted_state_bytes(spec: RankSpec, optimizer_states: int = 2) -> dict:
         if slot.trainable:
             out["grads"] += size * stored
             opt = stored // mesh.axes[slot.zero1[0]] if slot.zero1 else stored
-            out["optimizer"] += size * opt * optimizer_states
+            low = slot.dtype in LOW_PRECISION
+            out["optimizer"] += (4 * opt * (optimizer_states + 1)) if low else size * opt * optimizer_states
     return out
