@@ -29,6 +29,7 @@ from .mesh import AutoMesh, Mesh
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
+from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import resolve_cost_model
 from autoshard.cost.search import plan_search
@@ -38,7 +39,7 @@ from autoshard.passes.program import build_program
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, hardware=None, search: Optional[bool] = None,
-              verbose: bool = False) -> Plan:
+              moe: Optional[dict] = None, verbose: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -52,7 +53,12 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ``search=False`` never searches). It also picks ``zero_stage`` (and
     ``reshard_after_forward``) for training when they are None. ``hardware``: a
     ``cost.Hardware``, ``CostModel``, preset name (``"h100"``, ``"cpu-gloo"``) or calibrated JSON
-    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``."""
+    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``.
+
+    Mixture-of-Experts layers are recognised (``passes.experts``): their experts dim is named
+    ``experts`` and ``layout={"experts": "ep"}`` places experts on ``ep`` with dispatch and
+    combine all-to-alls. ``moe={"capacity_factor": 1.25}`` caps the rows per expert (the drop
+    policy of ``autoshard.runtime.experts``); the default is dropless."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -74,6 +80,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     origins = {i.name: i.target for i in cap.inputs}
     info = infer_dims(cap.graph, origins)
     apply_dim_names(info, cap, dims)
+    find_expert_regions(cap.graph, info, **_moe_options(moe))
     timings["dims"] = time.perf_counter() - t
     _progress(verbose, f"named dims in {timings['dims']:.2f}s")
 
@@ -108,6 +115,14 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     return plan
+
+
+def _moe_options(moe) -> dict:
+    moe = dict(moe or {})
+    unknown = set(moe) - {"capacity_factor"}
+    if unknown:
+        raise ValueError(f"moe= takes 'capacity_factor', not {sorted(unknown)}")
+    return moe
 
 
 def _cost_model(hardware):

@@ -418,6 +418,63 @@ def index_rule(node: fx.Node) -> Indexing:
     return Indexing(ins, [out], local=frozenset(letters[k] for k in tensor_pos if letters[k]), linear=(0,))
 
 
+def dim_op(dim_pos: tuple = (1, "dim"), default: int = -1, outputs: int = 1, new_letter: bool = False):
+    """An op along one dim that must be whole (sort, topk): the other dims are shared by the
+    input and every output; ``new_letter``: the outputs' size along it differs (topk's k)."""
+
+    def rule(node: fx.Node) -> Indexing:
+        shp = shape_of(node.args[0])
+        ins = [None if n == 1 else f"d{k}" for k, n in enumerate(shp)]
+        if not shp:
+            return Indexing([((0,), ins)], [[]] * outputs)
+        d = norm_dim(arg(node, *dim_pos, default=default), len(shp))
+        val = node.meta["val"]
+        out_shape = tuple((val[0] if isinstance(val, (tuple, list)) else val).shape)
+        out = list(ins)
+        if new_letter:
+            out[d] = None if out_shape[d] == 1 else "chosen"
+        return Indexing([((0,), ins)], [out] * outputs, local=frozenset({ins[d], out[d]} - {None}))
+
+    rule.__doc__ = "rule of an op along one whole dim"
+    return rule
+
+
+def histc_rule(node: fx.Node) -> Indexing:
+    """histc(x, bins) -> [bins]: counts over every element; counts of disjoint blocks add up,
+    so a split input gives a pending sum (the bounds are constants)."""
+    shp = shape_of(node.args[0])
+    ins = [None if n == 1 else f"d{k}" for k, n in enumerate(shp)]
+    return Indexing([((0,), ins)], [["bins"]], summed=frozenset(ins) - {None})
+
+
+def index_put_rule(node: fx.Node) -> Indexing:
+    """index_put(self, indices, values): the result has self's dims; indexed dims stay whole;
+    the index tensors broadcast together and ``values`` broadcasts against the indexed block."""
+    shp = shape_of(node.args[0])
+    letters = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    idx = node.args[1]
+    pos = [k for k, t in enumerate(idx) if t is not None]
+    idx_shapes = [shape_of(idx[k]) for k in pos]
+    nb = max(len(x) for x in idx_shapes)
+    bshape = [max((x[len(x) - nb + i] if len(x) - nb + i >= 0 else 1) for x in idx_shapes) for i in range(nb)]
+    idx_letters, bl = _broadcast_letters(idx_shapes, tuple(bshape), prefix="ix")
+    adjacent = pos == list(range(pos[0], pos[0] + len(pos)))
+    rest = [letters[k] for k in range(len(shp)) if k not in pos]
+    block = (rest[:pos[0]] + bl + rest[pos[0]:]) if adjacent else (bl + rest)
+    vals = shape_of(node.args[2])
+    off = len(block) - len(vals)
+    vl = [None if n == 1 else block[off + i] for i, n in enumerate(vals)]
+    ins = [((0,), letters)] + [((1, k), ls) for k, ls in zip(pos, idx_letters)] + [((2,), vl)]
+    return Indexing(ins, [letters], local=frozenset(letters[k] for k in pos if letters[k]))
+
+
+def grouped_matmul_rule(node: fx.Node) -> Indexing:
+    """grouped matmul(x [rows, i], w [experts, i, o], offs [experts]): each expert's block of
+    rows (ending at offs[e]) times its matrix. Rows and experts stay whole (offs counts rows);
+    the contracted i may be split (a pending sum), o too (column blocks)."""
+    return einsum("s i, e i o, e -> s o", summed="i", local="s e", linear=(0, 1))(node)
+
+
 POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 UNARY = [
@@ -513,8 +570,37 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.split_with_sizes.default: split_rule,
     aten.unbind.int: split_rule,
     aten.index.Tensor: index_rule,
+    aten.index_put.default: index_put_rule,
+    aten.index_put_.default: index_put_rule,
+    aten.chunk.default: split_rule,
+    # routing (Mixture-of-Experts): choices along a whole dim, counts, grouped matmuls
+    aten.topk.default: dim_op(dim_pos=(2, "dim"), outputs=2, new_letter=True),
+    aten.sort.default: dim_op(outputs=2),
+    aten.sort.stable: dim_op(outputs=2, default=-1),
+    aten.argsort.default: dim_op(),
+    aten.histc.default: histc_rule,
+    aten.div_.Tensor: elementwise(linear=(0,)),
+    aten.mul_.Tensor: elementwise(linear=(0, 1)),
+    aten._grouped_mm.default: grouped_matmul_rule,
     **{op: creation_rule for op in CREATION},
 }
+# Rules for ops of optional libraries, by qualified name (the op exists once the library loads).
+NAMED_RULES: dict[str, Callable[[fx.Node], Indexing]] = {
+    "autoshard::grouped_mm": grouped_matmul_rule,
+    "transformers::grouped_mm_fallback": grouped_matmul_rule,
+}
+
+
+def rule_for(target) -> Optional[Callable[[fx.Node], Indexing]]:
+    """The rule of an FX call target: the op table, else the named table (custom ops).
+
+    >>> rule_for(torch.ops.aten.sort.default).__doc__
+    'rule of an op along one whole dim'
+    """
+    rule = RULES.get(target)
+    if rule is None and hasattr(target, "name") and callable(target.name):
+        rule = NAMED_RULES.get(target.name().split(".")[0])
+    return rule
 
 # Ops whose local result must be rescaled when a mean runs over a sharded dim.
 MEAN_OPS = {aten.mean.dim, aten.mean.default}

@@ -6,9 +6,10 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import numpy, torch, sympy, networkx, tabulate, pytest, autoshard.passes, autoshard.cost" 2>/dev/null; then
+if ! .venv/bin/python -c "import numpy, torch, sympy, networkx, tabulate, pytest, transformers, autoshard.passes, autoshard.cost" 2>/dev/null; then
   # torch==2.13.0 is pinned: on a CPU machine of this kind the CPU wheel is on disk;
   # an unpinned torch would pull a multi-GB CUDA build. numpy: torch warns on import without it.
-  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate pytest
+  # transformers: tests only (Hugging Face architectures built tiny from their configs).
+  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate pytest "transformers>=5,<6"
   .venv/bin/pip install -q --no-build-isolation -e .
 fi

@@ -46,6 +46,8 @@ KINDS = {
     "all_to_all": ("all_to_all", "all_to_all"),
     "to_partial": (None, None),
     "use_persistent": (None, "reduce_scatter"),
+    "dispatch": ("all_to_all", "all_to_all"),  # variable splits, costed as all-to-all
+    "combine": ("all_to_all", "all_to_all"),
 }
 
 
