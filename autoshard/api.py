@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import sys
 import time
@@ -26,10 +27,13 @@ from typing import Optional
 import torch
 
 from .mesh import AutoMesh, Mesh
+from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline, first_microbatch,
+                            pipeline_options)
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
+from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import resolve_cost_model
 from autoshard.cost.search import plan_search
@@ -39,7 +43,8 @@ from autoshard.passes.program import build_program
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, hardware=None, search: Optional[bool] = None,
-              moe: Optional[dict] = None, verbose: bool = False) -> Plan:
+              pipeline: Optional[dict] = None, moe: Optional[dict] = None, verbose: bool = False,
+              captured=None) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -53,7 +58,19 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ``search=False`` never searches). It also picks ``zero_stage`` (and
     ``reshard_after_forward``) for training when they are None. ``hardware``: a
     ``cost.Hardware``, ``CostModel``, preset name (``"h100"``, ``"cpu-gloo"``) or calibrated JSON
-    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``.
+    file; default ``$AUTOSHARD_HARDWARE`` or ``"cpu-gloo"``. ``captured``: the ``plan.captured``
+    of an earlier plan of the same model and inputs, to plan again (another mesh, layout or
+    dims) without running torch.export again::
+
+        dp = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"})
+        tp = autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, layout={"heads": "tp"},
+                                 captured=dp.captured)
+
+    ``pipeline``: ``{"axis": "pp", "microbatches": 8, "schedule": "1f1b", "virtual": 1, "cuts":
+    ["layers.4"]}`` splits the layer sequence over that mesh axis (a mesh axis named ``pp``
+    implies it); keys left out are chosen by the planner. ``args`` is then one step's whole
+    batch, split along dim 0 into the microbatches (a ``captured`` graph must then be of one
+    microbatch). See :mod:`autoshard.pipeline_plan`.
 
     Mixture-of-Experts layers are recognised (``passes.experts``): their experts dim is named
     ``experts`` and ``layout={"experts": "ep"}`` places experts on ``ep`` with dispatch and
@@ -70,9 +87,18 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     if meshes is None:
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     searching = _wants_search(layout, search, meshes, memory_limit)
+    pipe = pipeline_options(pipeline, mesh)
+    if pipe is not None and meshes is None and len(mesh.axes) == 1:
+        searching = False  # the pipeline axis is the whole mesh: nothing else to lay out
     timings = {}
     t0 = time.perf_counter()
-    cap = capture(model, args, kwargs)
+    if pipe is not None:
+        pp = mesh.axes[pipe.axis] * (pipe.virtual or 1)
+        pipe.microbatches = pipe.microbatches or default_microbatches(args, kwargs, pp)
+        cap = captured if captured is not None else capture(model, *first_microbatch(args, kwargs, pipe.microbatches))
+        tag_origins(cap.graph)  # so stage boundaries can name the captured values they carry
+    else:
+        cap = captured if captured is not None else capture(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
 
@@ -89,12 +115,14 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     if searching:
         t = time.perf_counter()
         cost_model = resolve_cost_model(hardware)
+        search_meshes = meshes or [mesh if pipe is None else Mesh({a: n for a, n in mesh.axes.items() if a != pipe.axis})]
         search_result = plan_search(
-            cap.graph, cap.inputs, info, meshes or [mesh], _constraints(layout, search, info),
+            cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
             train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
             memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
             display={i.name: i.target for i in cap.inputs})
-        mesh, layout = search_result.mesh, search_result.layout
+        layout = search_result.layout
+        mesh = search_result.mesh if pipe is None else mesh
         if train and zero_stage is None:
             zero_stage = search_result.zero_stage
             reshard_after_forward = search_result.reshard_after_forward if zero_stage == 3 else None
@@ -107,11 +135,17 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     stage = zero_stage or 0
     program, axes = build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
                                   reshard=True if reshard_after_forward is None else reshard_after_forward,
-                                  bucket_mb=bucket_mb, display={i.name: i.target for i in cap.inputs})
+                                  bucket_mb=bucket_mb if pipe is None else 0,
+                                  display={i.name: i.target for i in cap.inputs})
     timings["rewrite"] = time.perf_counter() - t
     _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
-    plan = Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
-                train=train, timings=timings, zero_stage=stage, data_axes=axes)
+    fields = dict(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
+                  train=train, timings=timings, zero_stage=stage, data_axes=axes)
+    if pipe is not None:
+        # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
+        plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe)
+    else:
+        plan = Plan(**fields)
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     return plan
@@ -188,6 +222,8 @@ def apply_dim_names(info, cap, dims) -> None:
         if node.op == "placeholder":
             by_target[node.name] = node
     targets = {i.target: by_target[i.name] for i in cap.inputs if i.name in by_target}
+    # A tied parameter answers to every name it has (lm_head.weight for embed_tokens.weight).
+    targets.update({alias: targets[kept] for alias, kept in cap.aliases.items() if kept in targets})
     if isinstance(dims, (list, tuple)):
         names = cap.arg_names
         items = {}
@@ -197,6 +233,7 @@ def apply_dim_names(info, cap, dims) -> None:
             key = names[k] if k < len(names) else f"args[{k}]"
             items[key] = spec
         dims = items
+    first_use: dict = {}  # name -> (size, "target dim d") where it was first given
     for key, spec in dims.items():
         matched = [t for t in targets if t == key] or [t for t in targets if fnmatch.fnmatchcase(t, key)]
         if not matched:
@@ -222,3 +259,10 @@ def apply_dim_names(info, cap, dims) -> None:
                     raise LayoutError(f"dim {d} of {target} is named {word!r}, but dataflow makes it the same "
                                       f"logical dim as {old!r}; use one name")
                 info.names[lv] = word
+                size = math.prod(info.table.size[a] for a in lv)
+                seen = first_use.setdefault(word, (size, f"dim {d} of {target}"))
+                if seen[0] != size:
+                    raise LayoutError(f"dims name {word!r} is given to two unrelated dims of different sizes: "
+                                      f"{seen[1]} (size {seen[0]}) and dim {d} of {target} (size {size}); a name is "
+                                      f"one logical dim: give one of them another name (e.g. via a narrower glob "
+                                      f"than {key!r})")

@@ -23,6 +23,8 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from .decompose import decompose
+
 aten = torch.ops.aten
 
 EXPORT_ONLY = {
@@ -120,6 +122,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
         else:
             inputs.append(Input(name, "user", next(user_paths, name)))
     aliases = _merge_tied(graph, inputs, state)
+    aliases.update(_unlisted_aliases(params, buffers, inputs, state))
+    decompose(graph)
     _rewrite_mean_cross_entropy(graph)
     graph.eliminate_dead_code()
     graph.lint()
@@ -146,6 +150,14 @@ def _merge_tied(graph: fx.Graph, inputs: list, state: dict) -> dict:
         keep.append(inp)
     inputs[:] = keep
     return aliases
+
+
+def _unlisted_aliases(params: dict, buffers: dict, inputs: list, state: dict) -> dict:
+    """Tied names torch.export left out of the signature (it lists one FQN per tensor):
+    {alias FQN: the FQN in the graph}, so users may name, and read gradients by, either."""
+    kept = {id(state[i.target]): i.target for i in inputs if i.kind in ("parameter", "buffer")}
+    return {name: kept[id(t)] for name, t in {**params, **buffers}.items()
+            if id(t) in kept and kept[id(t)] != name}
 
 
 def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:

@@ -141,6 +141,7 @@ class DimInfo:
     fallback: list  # nodes without a rule
     names: dict = field(default_factory=dict)  # leaf-atom tuple -> user name
     input_dims: dict = field(default_factory=dict)  # "param.fqn:k" -> atoms of that input dim
+    recognised: dict = field(default_factory=dict)  # what later passes found in this graph, by pass (MoE regions)
 
     def of(self, node: fx.Node, out: int = 0) -> list[list[int]]:
         return self.dims[node][out]

@@ -45,7 +45,6 @@ import math
 import operator
 import re
 import warnings
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -112,17 +111,14 @@ class ExpertRegion:
         return int(self.top_k_index.meta["val"].shape[1]) if self.top_k_index is not None else 0
 
 
-_CACHE: "weakref.WeakKeyDictionary[fx.Graph, list]" = weakref.WeakKeyDictionary()
-
-
 def find_expert_regions(graph: fx.Graph, info: DimInfo, capacity_factor: Optional[float] = None,
                         warn: bool = True) -> list:
-    """The MoE regions of ``graph`` (cached per graph). Names each region's experts dim
+    """The MoE regions of ``graph`` (kept in ``info.recognised``). Names each region's experts dim
     ``experts`` unless the user named it; a ``ModuleList`` gets a new logical dim of size E.
     ``capacity_factor``: the expert capacity policy of ``autoshard.runtime.experts`` (None:
     dropless). A module that looks like an MoE layer but cannot be recognised is reported with
     a :class:`MoEWarning` and left to the generic rules."""
-    regions = _CACHE.get(graph)
+    regions = info.recognised.get(EXPERTS)
     if regions is None:
         regions = []
         for finder in (_grouped_regions, _looped_regions):
@@ -138,7 +134,7 @@ def find_expert_regions(graph: fx.Graph, info: DimInfo, capacity_factor: Optiona
         for r in regions:
             lv = tuple(r.experts_atoms)
             info.names.setdefault(lv, EXPERTS)
-        _CACHE[graph] = regions
+        info.recognised[EXPERTS] = regions
     if capacity_factor is not None:
         if not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor!r}")

@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -418,54 +419,181 @@ def index_rule(node: fx.Node) -> Indexing:
     return Indexing(ins, [out], local=frozenset(letters[k] for k in tensor_pos if letters[k]), linear=(0,))
 
 
-def dim_op(dim_pos: tuple = (1, "dim"), default: int = -1, outputs: int = 1, new_letter: bool = False):
-    """An op along one dim that must be whole (sort, topk): the other dims are shared by the
-    input and every output; ``new_letter``: the outputs' size along it differs (topk's k)."""
+def _letters(shape, prefix="d") -> list:
+    return [None if s == 1 else f"{prefix}{k}" for k, s in enumerate(shape)]
+
+
+def conv_rule(node: fx.Node) -> Indexing:
+    """conv1d/2d/3d and convolution(input [N, Cin, *S], weight [Cout, Cin/g, *K], bias [Cout]):
+    batch and output channels are loop letters, input channels are contracted (summed);
+    spatial positions and the kernel stay whole (a sharded image would need halos). Depthwise
+    convolutions (groups = Cin = Cout) keep the channel as one loop letter; other grouped ones
+    keep channels whole."""
+    x, w = node.args[0], node.args[1]
+    xs, ws = shape_of(x), shape_of(w)
+    nsp = len(ws) - 2
+    conv = node.target in CONVOLUTION
+    transposed = bool(arg(node, 6, "transposed", False)) if conv else False
+    groups = arg(node, 8 if conv else 6, "groups", 1)
+    batch = ["n"] if len(xs) == nsp + 2 else []
+    space = [f"x{k}" for k in range(nsp)]
+    kernel = [f"k{k}" for k in range(nsp)]
+    out_space = [f"y{k}" for k in range(nsp)]
+    local = set(space + kernel + out_space)
+    if groups == 1:
+        cin, wl, cout, summed = "i", (["i", "o"] if transposed else ["o", "i"]), "o", "i"
+    elif not transposed and groups == xs[len(batch)] == ws[0]:  # depthwise: channel c -> c
+        cin, wl, cout, summed = "c", ["c", "cw"], "c", ""
+    else:
+        cin, wl, cout, summed = "ci", ["w0", "w1"], "co", ""
+        local |= {"ci", "co", "w0", "w1"}
+    ins = [((0,), batch + [cin] + space), ((1,), wl + kernel)]
+    if is_tensor_node(arg(node, 2, "bias")):
+        ins.append(((2,), [cout]))
+    ins = [(p, [None if n == 1 else l for l, n in zip(ls, shape_of(get_path(node, p)))]) for p, ls in ins]
+    out = [None if n == 1 else l for l, n in zip(batch + [cout] + out_space, shape_of(node))]
+    return Indexing(ins, [out], summed=frozenset({summed} - {""}), local=frozenset(local), linear=(0, 1),
+                    additive=frozenset({2} if len(ins) == 3 else ()))
+
+
+def along_dim_rule(dim_arg: tuple, new_size: bool = True):
+    """topk / sort / argsort: each slice along ``dim`` is processed whole (the dim is local);
+    every other dim is a loop letter. Results along ``dim`` are new positions (ranks, order)."""
 
     def rule(node: fx.Node) -> Indexing:
         shp = shape_of(node.args[0])
-        ins = [None if n == 1 else f"d{k}" for k, n in enumerate(shp)]
-        if not shp:
-            return Indexing([((0,), ins)], [[]] * outputs)
-        d = norm_dim(arg(node, *dim_pos, default=default), len(shp))
-        val = node.meta["val"]
-        out_shape = tuple((val[0] if isinstance(val, (tuple, list)) else val).shape)
+        i, name = dim_arg
+        d = arg(node, i, name, -1) if i is not None else node.kwargs.get(name, -1)
+        d = norm_dim(d, len(shp)) if shp else 0
+        ins = _letters(shp)
         out = list(ins)
-        if new_letter:
-            out[d] = None if out_shape[d] == 1 else "chosen"
-        return Indexing([((0,), ins)], [out] * outputs, local=frozenset({ins[d], out[d]} - {None}))
+        val = node.meta.get("val")
+        several = isinstance(val, (tuple, list))
+        if shp:
+            out[d] = None if (val[0] if several else val).shape[d] == 1 else "along"
+        outs = [out] * (len(val) if several else 1)
+        return Indexing([((0,), ins)], outs, local=frozenset({ins[d] if shp else None, "along"} - {None}))
 
-    rule.__doc__ = "rule of an op along one whole dim"
+    rule.__doc__ = "along-dim rule (the dim stays whole)"
     return rule
 
 
+def gather_rule(node: fx.Node) -> Indexing:
+    """gather(self, dim, index) -> out shaped like index: out[.., j, ..] = self[.., index[.., j, ..], ..].
+    Positions of ``index`` (and out) along ``dim`` are loop letters; ``self`` along ``dim`` stays
+    whole. Other dims are shared where self and index have equal sizes (else both stay whole)."""
+    x, idx = node.args[0], node.args[2]
+    xs, js = shape_of(x), shape_of(idx)
+    d = norm_dim(node.args[1], len(xs)) if xs else 0
+    xl, il, local = [], [], set()
+    for k, (a, b) in enumerate(zip(xs, js)):
+        if k == d:
+            xl.append("src"); il.append("pos"); local.add("src")
+        elif a == b:
+            xl.append(f"d{k}"); il.append(f"d{k}")
+        else:
+            xl.append(f"s{k}"); il.append(f"j{k}"); local |= {f"s{k}", f"j{k}"}
+    xl = [None if n == 1 else l for l, n in zip(xl, xs)]
+    il = [None if n == 1 else l for l, n in zip(il, js)]
+    return Indexing([((0,), xl), ((2,), il)], [il], local=frozenset(local), linear=(0,))
+
+
 def histc_rule(node: fx.Node) -> Indexing:
-    """histc(x, bins) -> [bins]: counts over every element; counts of disjoint blocks add up,
-    so a split input gives a pending sum (the bounds are constants)."""
+    """histc(self, bins, min, max): counts per bin over all elements. With a fixed range
+    (min < max) counts of a split input add up: every input dim is summed (Partial result).
+    With min == max the range comes from the data, so the input stays whole."""
     shp = shape_of(node.args[0])
-    ins = [None if n == 1 else f"d{k}" for k, n in enumerate(shp)]
-    return Indexing([((0,), ins)], [["bins"]], summed=frozenset(ins) - {None})
+    lo, hi = arg(node, 2, "min", 0), arg(node, 3, "max", 0)
+    ins = _letters(shp)
+    letters = frozenset(ins) - {None}
+    fixed = lo != hi
+    return Indexing([((0,), ins)], [[None if shape_of(node)[0] == 1 else "bins"]],
+                    summed=letters if fixed else frozenset(), local=frozenset() if fixed else letters)
 
 
 def index_put_rule(node: fx.Node) -> Indexing:
-    """index_put(self, indices, values): the result has self's dims; indexed dims stay whole;
-    the index tensors broadcast together and ``values`` broadcasts against the indexed block."""
-    shp = shape_of(node.args[0])
-    letters = [None if s == 1 else f"d{k}" for k, s in enumerate(shp)]
+    """index_put(self, indices, values, accumulate): self[indices] = values (or +=). The indexed
+    dims of self and the index positions stay whole (each rank would write other rows);
+    the remaining dims of self are shared with values. Jointly linear in self and values."""
+    x = node.args[0]
+    shp = shape_of(x)
     idx = node.args[1]
-    pos = [k for k, t in enumerate(idx) if t is not None]
-    idx_shapes = [shape_of(idx[k]) for k in pos]
-    nb = max(len(x) for x in idx_shapes)
-    bshape = [max((x[len(x) - nb + i] if len(x) - nb + i >= 0 else 1) for x in idx_shapes) for i in range(nb)]
+    letters = _letters(shp)
+    tensor_pos = [k for k, t in enumerate(idx) if t is not None]
+    idx_shapes = [shape_of(idx[k]) for k in tensor_pos]
+    nb = max(len(s) for s in idx_shapes)
+    bshape = list(torch.broadcast_shapes(*[torch.Size(s) for s in idx_shapes]))
     idx_letters, bl = _broadcast_letters(idx_shapes, tuple(bshape), prefix="ix")
-    adjacent = pos == list(range(pos[0], pos[0] + len(pos)))
-    rest = [letters[k] for k in range(len(shp)) if k not in pos]
-    block = (rest[:pos[0]] + bl + rest[pos[0]:]) if adjacent else (bl + rest)
-    vals = shape_of(node.args[2])
-    off = len(block) - len(vals)
-    vl = [None if n == 1 else block[off + i] for i, n in enumerate(vals)]
-    ins = [((0,), letters)] + [((1, k), ls) for k, ls in zip(pos, idx_letters)] + [((2,), vl)]
-    return Indexing(ins, [letters], local=frozenset(letters[k] for k in pos if letters[k]))
+    adjacent = tensor_pos == list(range(tensor_pos[0], tensor_pos[0] + len(tensor_pos)))
+    front = tensor_pos[0] if adjacent else 0
+    rest = [(letters[k], shp[k]) for k in range(len(shp)) if k not in tensor_pos]
+    pairs = (rest[:front] + list(zip(bl, bshape)) + rest[front:]) if adjacent else (list(zip(bl, bshape)) + rest)
+    vshape = shape_of(node.args[2])
+    off = len(pairs) - len(vshape)
+    vl = [None if n == 1 else pairs[off + k][0] for k, n in enumerate(vshape)]
+    ins = [((0,), letters)] + [((1, k), ls) for k, ls in zip(tensor_pos, idx_letters)] + [((2,), vl)]
+    local = {letters[k] for k in tensor_pos} | {l for ls in idx_letters for l in ls}
+    return Indexing(ins, [letters], local=frozenset(local - {None}), linear=(0, len(ins) - 1), joint=True)
+
+
+def pad_rule(node: fx.Node) -> Indexing:
+    """pad / constant_pad_nd: padded dims stay whole (positions shift); the others are shared.
+    Zero constant padding is linear (a pending sum may pass through)."""
+    shp = shape_of(node.args[0])
+    pads = list(node.args[1])
+    mode = arg(node, 2, "mode", "constant") if node.target == aten.pad.default else "constant"
+    value = arg(node, 3, "value", None) if node.target == aten.pad.default else arg(node, 2, "value", 0)
+    padded = {len(shp) - 1 - k // 2 for k, p in enumerate(pads) if p}
+    ins = _letters(shp)
+    out = [None if n == 1 else (f"p{k}" if k in padded else l) for k, (l, n) in enumerate(zip(ins, shape_of(node)))]
+    local = {ins[k] for k in padded} | {out[k] for k in padded}
+    linear = (0,) if mode != "constant" or value in (None, 0, 0.0) else ()
+    return Indexing([((0,), ins)], [out], local=frozenset(local - {None}), linear=linear)
+
+
+def diff_rule(node: fx.Node) -> Indexing:
+    """diff(self, n, dim, prepend, append): differences along ``dim`` (whole); the other dims
+    are shared with prepend/append (which broadcast)."""
+    shp = shape_of(node.args[0])
+    d = norm_dim(arg(node, 2, "dim", -1), len(shp))
+    ins = _letters(shp)
+    ins[d] = "along"
+    operands = [((0,), ins)]
+    for i, name in ((3, "prepend"), (4, "append")):
+        t = arg(node, i, name)
+        if is_tensor_node(t):
+            ps = shape_of(t)
+            operands.append(((i,) if len(node.args) > i else ("kw", name),
+                             [None if n == 1 and k != d else (f"{name}" if k == d else ins[k])
+                              for k, n in enumerate(ps)]))
+    out = [None if n == 1 else ("diff" if k == d else l) for k, (l, n) in enumerate(zip(ins, shape_of(node)))]
+    return Indexing(operands, [out], local=frozenset({"along", "diff", "prepend", "append"}))
+
+
+def dropout_rule(node: fx.Node) -> Indexing:
+    """dropout(x, p, train): the identity in eval mode (or p = 0), so linear then; in training
+    mode it draws a mask per element (per rank: see the README's known limits)."""
+    identity = not arg(node, 2, "train", True) or arg(node, 1, "p", 0.5) == 0
+    return elementwise(linear=(0,) if identity else ())(node)
+
+
+def local_groups(node: fx.Node, args: tuple) -> tuple:
+    """A depthwise convolution on a block of the channels has as many groups as local channels."""
+    conv = node.target in CONVOLUTION
+    pos = 8 if conv else 6
+    groups = arg(node, pos, "groups", 1)
+    if groups == 1:
+        return args
+    x, w = shape_of(node.args[0]), shape_of(node.args[1])
+    channel = len(x) - len(w) + 1  # 1 with a batch dim, 0 without
+    local_cin = args[0].meta["val"].shape[channel]
+    args = list(args) + [None] * max(0, pos + 1 - len(args))
+    defaults = {3: [1] * (len(w) - 2), 4: [0] * (len(w) - 2), 5: [1] * (len(w) - 2)}
+    for i in range(len(args)):
+        if args[i] is None and i in defaults and not conv:
+            args[i] = defaults[i]
+    args[pos] = local_cin // w[1]
+    return tuple(args)
 
 
 def grouped_matmul_rule(node: fx.Node) -> Indexing:
@@ -476,13 +604,14 @@ def grouped_matmul_rule(node: fx.Node) -> Indexing:
 
 
 POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+CONVOLUTION = {aten.convolution.default}
 
 UNARY = [
     aten.neg.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,
     aten.tanh.default, aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.relu.default,
     aten.sin.default, aten.cos.default, aten.abs.default, aten.reciprocal.default, aten.erf.default,
     aten.pow.Tensor_Scalar, aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default,
-    aten.clamp_min.default, aten.clamp_max.default, aten.dropout.default, aten.zeros_like.default,
+    aten.clamp_min.default, aten.clamp_max.default, aten.zeros_like.default,
     aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.isnan.default,
     aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
     aten.ceil.default, aten.round.default, aten.exp2.default,
@@ -500,7 +629,8 @@ BINARY = [
     aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
-    aten.logical_xor.default,
+    aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
+    aten.fill.Tensor, aten.fill.Scalar,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
@@ -568,19 +698,31 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.cat.default: cat_rule,
     aten.split.Tensor: split_rule,
     aten.split_with_sizes.default: split_rule,
+    aten.chunk.default: split_rule,
     aten.unbind.int: split_rule,
     aten.index.Tensor: index_rule,
     aten.index_put.default: index_put_rule,
-    aten.index_put_.default: index_put_rule,
-    aten.chunk.default: split_rule,
-    # routing (Mixture-of-Experts): choices along a whole dim, counts, grouped matmuls
-    aten.topk.default: dim_op(dim_pos=(2, "dim"), outputs=2, new_letter=True),
-    aten.sort.default: dim_op(outputs=2),
-    aten.sort.stable: dim_op(outputs=2, default=-1),
-    aten.argsort.default: dim_op(),
+    aten.gather.default: gather_rule,
+    aten.pad.default: pad_rule,
+    aten.constant_pad_nd.default: pad_rule,
+    aten.diff.default: diff_rule,
+    aten.copy.default: elementwise(linear=(1,)),
+    aten.dropout.default: dropout_rule,
+    # convolutions: batch and output channels shard, input channels are contracted
+    aten.conv1d.default: conv_rule,
+    aten.conv2d.default: conv_rule,
+    aten.conv3d.default: conv_rule,
+    aten.conv1d.padding: conv_rule,
+    aten.conv2d.padding: conv_rule,
+    aten.conv3d.padding: conv_rule,
+    aten.convolution.default: conv_rule,
+    # routing (mixtures of experts): per-slice selection and counting
+    aten.topk.default: along_dim_rule((2, "dim")),
+    aten.sort.default: along_dim_rule((1, "dim")),
+    aten.sort.stable: along_dim_rule((None, "dim")),
+    aten.argsort.default: along_dim_rule((1, "dim")),
+    aten.argsort.stable: along_dim_rule((None, "dim")),
     aten.histc.default: histc_rule,
-    aten.div_.Tensor: elementwise(linear=(0,)),
-    aten.mul_.Tensor: elementwise(linear=(0, 1)),
     aten._grouped_mm.default: grouped_matmul_rule,
     **{op: creation_rule for op in CREATION},
 }
@@ -595,12 +737,89 @@ def rule_for(target) -> Optional[Callable[[fx.Node], Indexing]]:
     """The rule of an FX call target: the op table, else the named table (custom ops).
 
     >>> rule_for(torch.ops.aten.sort.default).__doc__
-    'rule of an op along one whole dim'
+    'along-dim rule (the dim stays whole)'
     """
     rule = RULES.get(target)
     if rule is None and hasattr(target, "name") and callable(target.name):
         rule = NAMED_RULES.get(target.name().split(".")[0])
     return rule
+
+
+# Non-tensor arguments that depend on local sizes: (node, local args) -> local args.
+LOCAL_ARGS = {op: local_groups for op in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                                          aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
+                                          aten.convolution.default)}
+
+
+def repeat_interleave_as_expand(b, x, repeats: int, dim=None, output_size=None):
+    """x.repeat_interleave(r, dim=d) == x.unsqueeze(d + 1).expand(..., r, ...).reshape(..., n * r, ...):
+    each element repeated r times in a row, so the result's dim d is [n, r] (n major) and a
+    split of n (the token dim of a mixture of experts) carries over."""
+    shape = b.shape(x)
+    if dim is None:
+        x, shape, dim = b(aten.reshape.default, x, [math.prod(shape)]), [math.prod(shape)], 0
+    d = norm_dim(dim, len(shape))
+    wide = b(aten.expand.default, b(aten.unsqueeze.default, x, d + 1), shape[:d + 1] + [repeats] + shape[d + 1:])
+    return b(aten.reshape.default, wide, shape[:d] + [shape[d] * repeats] + shape[d + 1:])
+
+
+# Ops rewritten at capture into ops with rules (passes/decompose.py): their result's dims are
+# not one letter each (a dim that is an input dim followed by a new one).
+DECOMPOSITIONS = {
+    aten.repeat_interleave.self_int: repeat_interleave_as_expand,
+}
+
+
+def is_inplace(op) -> bool:
+    """Whether an aten op writes into its first argument (``add_``, ``copy_``, ``index_put_``)."""
+    schema = getattr(op, "_schema", None)
+    first = schema.arguments[0] if schema is not None and schema.arguments else None
+    return bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether a node's result shares storage with its first argument (view, slice, getitem of split)."""
+    if node.op != "call_function":
+        return False
+    if node.target is GETITEM:
+        return isinstance(node.args[0], fx.Node) and _is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else []
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def aliases_read_later(node: fx.Node) -> bool:
+    """Whether the tensor an in-place node writes is read after it other than through its own
+    result: by a later user of the written value, or of a tensor it is a view of."""
+    order = {n: k for k, n in enumerate(node.graph.nodes)}
+    here = order[node]
+    todo, seen = [node.args[0]], set()
+    while todo:
+        v = todo.pop()
+        if v in seen or not isinstance(v, fx.Node):
+            continue
+        seen.add(v)
+        if any(u is not node and order[u] > here for u in v.users):
+            return True
+        if _is_view(v):
+            todo.append(v.args[0])
+    return False
+
+
+def _inplace_variants(rules: dict) -> dict:
+    """``aten.add_.Tensor`` for ``aten.add.Tensor`` and so on: an in-place op computes what its
+    functional op computes (the rewrite keeps its result in the place of the written operand)."""
+    out = {}
+    for op in rules:
+        packet = getattr(aten, op.__name__.split(".")[0] + "_", None) if hasattr(op, "__name__") else None
+        variant = getattr(packet, op._overloadname, None) if packet is not None else None
+        if variant is not None and is_inplace(variant) and variant not in rules and \
+                rules[op] not in (permute_rule, unsqueeze_rule):  # t_, squeeze_: they change the shape
+            out[variant] = rules[op]
+    return out
+
+
+RULES.update(_inplace_variants(RULES))
 
 # Ops whose local result must be rescaled when a mean runs over a sharded dim.
 MEAN_OPS = {aten.mean.dim, aten.mean.default}

@@ -38,7 +38,8 @@ from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_sh
 from autoshard.runtime import collectives as C
 
 from .dims import DimInfo, module_of, source_line
-from .rules import MEAN_OPS, POSITIONAL_CREATION, GETITEM, Indexing, get_path, is_tensor_node, shape_of
+from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, aliases_read_later, get_path,
+                    is_inplace, is_tensor_node, shape_of)
 
 aten = torch.ops.aten
 
@@ -96,9 +97,10 @@ def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
         axes = tuple(sorted(axes, key=mesh.names.index))
         matches = info.lookup(key)
         if not matches:
-            known = sorted(n for n in info.names.values())
-            raise LayoutError(f"layout names dim {key!r}, which no tensor has; named dims are {sorted(set(known))} "
-                              f"(inferred names such as '{next(iter(info.all_names()), '')}' and globs work too)")
+            known = set(info.names.values())
+            inferred = next((n for n in info.all_names() if n not in known), "")
+            raise LayoutError(f"layout names dim {key!r}, which no tensor has; named dims are {sorted(known)} "
+                              f"(inferred names such as '{inferred}' and globs work too)")
         for name, leaf_lists in matches.items():
             assignment[name] = axes
             for lv in leaf_lists:
@@ -164,6 +166,10 @@ class _Rewriter:
         self.local: dict = {}  # node -> new node
         self.place: dict = {}  # node -> list of placements per output
         self.cache: dict = {}
+        # (local node, axis) -> its all-reduce: a pending sum is summed once, whichever
+        # consumers need it whole (their other conversions may differ).
+        self.all_reduced: dict = {}
+        self.summed: set = set()  # (value, axis): pending sums already all-reduced for some consumer
         self.collectives: list = []
         self.fallbacks: list = []
         self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
@@ -225,7 +231,10 @@ class _Rewriter:
             s, t = state[i], target[i]
             if gathering:
                 if isinstance(s, Partial) and isinstance(t, Replicate):
-                    node = self.emit(C.all_reduce, node, a, (), src, consumer, reason, s, t)
+                    if (node, a) not in self.all_reduced:
+                        self.all_reduced[(node, a)] = self.emit(C.all_reduce, node, a, (), src, consumer, reason, s, t)
+                    node = self.all_reduced[(node, a)]
+                    self.summed.add((src, a))
                 elif isinstance(s, Partial) and isinstance(t, Shard):
                     self.check_nesting(state, a, t.dim, src, consumer)
                     node = self.emit(C.reduce_scatter, node, a, (t.dim,), src, consumer, reason, s, t)
@@ -438,6 +447,9 @@ class _Rewriter:
         """Per axis: ("shard", letter) | ("contract", letter) | ("replicate", None)."""
         outs = self.out_values(node)
         desired = [self.desired(node, k) if isinstance(v, torch.Tensor) else None for k, v in enumerate(outs)]
+        inplace = is_inplace(node.target)
+        if inplace:  # the written tensor keeps its ownership: its other aliases must see the write
+            desired = [self.place[node.args[0]][0]]
         modes = []
         for i, a in enumerate(self.axes):
             mode = ("replicate", None)
@@ -447,7 +459,7 @@ class _Rewriter:
                     if letter is not None and letter not in ix.local and self.feasible(node, ix, letter, a):
                         mode = ("shard", letter)
                     break
-            if mode[0] == "replicate":
+            if mode[0] == "replicate" and not inplace:
                 for path, letters in ix.inputs:
                     src = get_path(node, path)
                     if src not in self.place:
@@ -503,9 +515,11 @@ class _Rewriter:
                     if kind == "shard" and letter not in letters:
                         raise LayoutError(f"{self.where(node)}: letter {letter} missing from an output")
                 continue
-            # replicate mode: Partial passes through ops linear in that operand
+            # replicate mode: Partial passes through ops linear in that operand, unless it has
+            # been summed already for another consumer: then the sum is reused, not redone later.
             partial_in = [j for j, (path, _) in enumerate(ix.inputs)
-                          if isinstance(self.place[get_path(node, path)][0][i], Partial)]
+                          if isinstance(self.place[get_path(node, path)][0][i], Partial)
+                          and (get_path(node, path), a) not in self.summed]
             passthrough = False
             if partial_in:
                 if ix.joint:
@@ -514,6 +528,8 @@ class _Rewriter:
                     passthrough = passthrough and len(partial_in) == len([j for j in ix.linear if j < n_in])
                 else:
                     passthrough = len(partial_in) == 1 and partial_in[0] in ix.linear
+                if is_inplace(node.target) and 0 not in partial_in:
+                    passthrough = False  # a whole tensor written in place cannot become a pending sum
             for j in range(n_in):
                 # A bias added to a passed-through pending sum must be added once: Partial too.
                 targets[j][i] = P if (passthrough and (j in partial_in or j in ix.additive)) else R
@@ -522,11 +538,19 @@ class _Rewriter:
             for k in range(len(ix.outputs)):
                 out_place[k][i] = P if passthrough else R
         args, kwargs = self.map_args(node, ix, targets, varying_axes, modes)
+        if is_inplace(node.target) and args[0] is not self.local[node.args[0]] and aliases_read_later(node):
+            raise LayoutError(
+                f"{self.where(node)} writes in place into {node.args[0].name}, whose aliases are read later, but "
+                f"this layout needs it converted there ({self.reason(node, ix, modes, ix.inputs[0][1])}): the write "
+                f"would land in a copy. Shard the dims of {node.args[0].name} as the values written into it are, "
+                f"or leave them whole")
         places = [tuple(p) for p in out_place]
         if node.target in SIZE_ARG:  # sizes written into the op become local sizes
             args = list(args)
             args[SIZE_ARG[node.target]] = list(local_shape(shape_of(node), places[0], self.mesh))
             args = tuple(args)
+        if node.target in LOCAL_ARGS:
+            args = LOCAL_ARGS[node.target](node, args)
         new = self.g.call_function(node.target, args, kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k != "val"}
         outs = self.out_values(node)
@@ -671,6 +695,10 @@ class _Rewriter:
 
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+        if is_inplace(node.target) and args[0] is not self.local[node.args[0]] and aliases_read_later(node):
+            raise LayoutError(f"{self.where(node)} has no sharding rule and writes in place into {node.args[0].name}, "
+                              f"whose aliases are read later: gathering it would write into a copy; leave the dims "
+                              f"of {node.args[0].name} whole in the layout")
         new = self.g.call_function(node.target, args, kwargs)
         new.meta = dict(node.meta)
         self.local[node] = new
@@ -679,6 +707,7 @@ class _Rewriter:
 
 
 SIZE_ARG = {aten.expand.default: 1}
+
 COMM_KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
 
 

@@ -9,7 +9,7 @@ fi
 if ! .venv/bin/python -c "import numpy, torch, sympy, networkx, tabulate, pytest, transformers, autoshard.passes, autoshard.cost" 2>/dev/null; then
   # torch==2.13.0 is pinned: on a CPU machine of this kind the CPU wheel is on disk;
   # an unpinned torch would pull a multi-GB CUDA build. numpy: torch warns on import without it.
-  # transformers: tests only (Hugging Face architectures built tiny from their configs).
-  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate pytest "transformers>=5,<6"
+  # transformers is for the tests only (tests/test_hf_models.py builds tiny models from configs).
+  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate pytest "transformers==5.24.0"
   .venv/bin/pip install -q --no-build-isolation -e .
 fi

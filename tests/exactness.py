@@ -1,4 +1,5 @@
 """Shared checks: a plan against the unsharded model (imported by the test modules)."""
+import copy
 import re
 
 import torch
@@ -27,3 +28,22 @@ def block_of(where: str):
     """The transformer block index of a module FQN ('layers.3.mlp' -> 3), else None."""
     m = re.match(r"layers\.(\d+)(\.|$)", where)
     return int(m.group(1)) if m else None
+
+
+def reference_train(model, steps, make_opt, microbatches=1):
+    """Single-device training of a copy of ``model``: per-step losses and final parameters;
+    with ``microbatches=k`` each step is k argument tuples, each loss scaled by 1/k."""
+    m = copy.deepcopy(model)
+    opt = make_opt(list(m.parameters()))
+    losses = []
+    for step in steps:
+        mbs = step if microbatches > 1 else [step]
+        total = 0.0
+        for mb in mbs:
+            loss = m(*mb)
+            (loss / len(mbs)).backward()
+            total += loss.item() / len(mbs)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach() for n, p in m.named_parameters()}

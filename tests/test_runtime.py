@@ -48,6 +48,8 @@ KINDS = {
     "use_persistent": (None, "reduce_scatter"),
     "dispatch": ("all_to_all", "all_to_all"),  # variable splits, costed as all-to-all
     "combine": ("all_to_all", "all_to_all"),
+    "send": ("send", "recv"),  # pipeline boundaries: tests/test_pipeline.py
+    "recv": ("recv", "send"),
 }
 
 

@@ -1,7 +1,6 @@
 """Training plans: data parallelism, ZeRO-1/2/3, sharded optimizers, loss normalization and
 gradient accumulation, each checked against single-device training."""
 import collections
-import copy
 import sys
 from pathlib import Path
 
@@ -17,27 +16,11 @@ from autoshard.runtime import run_simulated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
+from exactness import reference_train  # noqa: E402
 
 LEVELS = [(0, None), (1, None), (2, None), (3, True), (3, False)]
 LEVEL_IDS = ["ddp", "zero1", "zero2", "zero3-reshard", "zero3-keep"]
 MESHES = [({"dp": 2}, {"batch": "dp"}), ({"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"})]
-
-
-def reference_train(model, steps, make_opt, microbatches=1):
-    m = copy.deepcopy(model)
-    opt = make_opt(list(m.parameters()))
-    losses = []
-    for step in steps:
-        mbs = step if microbatches > 1 else [step]
-        total = 0.0
-        for mb in mbs:
-            loss = m(*mb)
-            (loss / len(mbs)).backward()
-            total += loss.item() / len(mbs)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, {n: p.detach() for n, p in m.named_parameters()}
 
 
 def plan_for(model, args, dims, mesh, layout, stage, reshard):

@@ -14,6 +14,14 @@ Semantics, for a group of ``n`` ranks in axis-coordinate order and this rank at 
   rank j the ``send_splits_j[i]`` rows after its first ``sum(send_splits_j[:i])``, concatenated
   in j order (``recv_splits[j]`` of them); ``torch.distributed.all_to_all_single`` with splits.
 
+Point to point (pipeline stage boundaries), with ``peer`` a coordinate on ``axis`` (the other
+coordinates are this rank's) and ``message`` a number both sides agree on:
+
+- ``send(x, axis, peer, message)``: hand ``x`` over without waiting for the receiver (the
+  backend keeps what it needs until ``wait_sends``);
+- ``recv(template, axis, peer, message)``: wait for that message, a tensor shaped like
+  ``template``.
+
 Results are always fresh tensors, never views of ``x``.
 """
 from __future__ import annotations
@@ -67,6 +75,15 @@ class Backend:
 
     def all_to_all_v(self, x: torch.Tensor, axis: str, send_splits, recv_splits) -> torch.Tensor:
         raise NotImplementedError
+
+    def send(self, x: torch.Tensor, axis: str, peer: int, message: int) -> None:
+        raise NotImplementedError
+
+    def recv(self, template: torch.Tensor, axis: str, peer: int, message: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wait_sends(self) -> None:
+        """Block until every send of this rank has left (buffers may be reused after)."""
 
     def all_reduce_async(self, x: torch.Tensor, axis: str) -> "Pending":
         """Start a sum all-reduce; ``.wait()`` returns the result. Backends that cannot overlap

@@ -37,7 +37,7 @@ class Adjoint(NamedTuple):
 
 
 # Primitives that communicate (and are recorded in the trace) ...
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
 # Primitives with per-rank sizes, recorded (and costed) as the kind they generalize: "all_to_all_v"
 # moves rows with split sizes that differ per rank (expert parallelism's dispatch and combine).
 VARIABLE_KINDS = {"all_to_all_v": "all_to_all"}
@@ -63,6 +63,10 @@ ADJOINTS: dict[str, Adjoint] = {
     # sizes (rows per peer) as the dim arguments; the reversed splits are the transpose.
     "dispatch":           Adjoint("all_to_all_v",   "all_to_all_v"),    # rows by token -> rows by expert
     "combine":            Adjoint("all_to_all_v",   "all_to_all_v"),    # rows by expert -> rows by token
+    # A pipeline stage boundary (point to point on the pipeline axis): the activation goes to
+    # the next stage, its gradient comes back from it, and the other way round.
+    "send":               Adjoint("send",           "recv"),            # value leaves for the peer stage
+    "recv":               Adjoint("recv",           "send"),            # value arrives from the peer stage
 }
 # Backward primitives that sum over ranks: linear, so accumulation may defer them.
 SUMMING = ("all_reduce", "reduce_scatter")
@@ -323,6 +327,77 @@ def _splits(rows: torch.Tensor, splits, op: str) -> tuple:
     if rows.dim() == 0 or sum(splits) != rows.shape[0] or min(splits, default=0) < 0:
         raise ValueError(f"{op}: send splits {list(splits)} do not partition the {tuple(rows.shape)} rows")
     return splits
+# ---- point to point: pipeline stage boundaries ----------------------------------------------
+
+class _PointToPoint(torch.autograd.Function):
+    """``send`` and ``recv`` as autograd functions: each one's backward is the other (ADJOINTS).
+
+    A message is matched by (sender, receiver, message number): the forward message is
+    ``2 * message`` and the gradient coming back ``2 * message + 1``, so both sides agree
+    without any ordering assumption."""
+
+    @staticmethod
+    def forward(fctx, x, op, axis, peer, message, tag, template):
+        rctx = current(f"autoshard {op}")
+        fctx.rctx, fctx.op, fctx.axis, fctx.peer, fctx.message, fctx.tag = rctx, op, axis, peer, message, tag
+        if op == "send":
+            fctx.like = (x.shape, x.dtype, x.device)
+            _run(rctx, "send", x.detach(), axis, (peer, 2 * message), op, tag, _phase(rctx))
+            return x.new_empty(0)  # a token: backward of it receives x's gradient
+        return _run(rctx, "recv", template, axis, (peer, 2 * message), op, tag, _phase(rctx))
+
+    @staticmethod
+    @once_differentiable
+    def backward(fctx, grad):
+        rctx, axis, peer, message = fctx.rctx, fctx.axis, fctx.peer, 2 * fctx.message + 1
+        if fctx.op == "send":
+            shape, dtype, device = fctx.like
+            template = torch.empty(shape, dtype=dtype, device=device)
+            dx = _run(rctx, "recv", template, axis, (peer, message), "send", fctx.tag, "backward")
+        else:
+            _run(rctx, "send", grad.detach(), axis, (peer, message), "recv", fctx.tag, "backward")
+            dx = grad.new_zeros(0)
+        return dx, None, None, None, None, None, None
+
+
+def send(x: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> torch.Tensor:
+    """Send ``x`` to the rank at coordinate ``peer`` on ``axis`` (the other coordinates equal);
+    returns an empty token. Backward of the token receives x's gradient from that peer, so
+    ``torch.autograd.backward(token)`` runs this stage's backward once the next one sent it.
+
+    Example (stage 0 of a 2-stage pipeline)::
+
+        token = send(h, "pp", 1, message=mb)
+        torch.autograd.backward(token, torch.empty(0))   # waits for dL/dh from stage 1
+    """
+    current("autoshard send").mesh.check_axis(axis)
+    return _PointToPoint.apply(x, "send", axis, peer, message, tag, None)
+
+
+def recv(token: torch.Tensor, axis: str, peer: int, message: int, shape, dtype: torch.dtype,
+         tag: int | None = None) -> torch.Tensor:
+    """Receive a tensor of ``shape`` and ``dtype`` from coordinate ``peer`` on ``axis``. If
+    ``token`` requires grad, backward sends the received value's gradient back to the peer.
+
+    Example (stage 1 of a 2-stage pipeline)::
+
+        h = recv(torch.empty(0, requires_grad=True), "pp", 0, message=mb, shape=(4, 8, 32), dtype=torch.float32)
+    """
+    current("autoshard recv").mesh.check_axis(axis)
+    template = torch.empty(tuple(shape), dtype=dtype, device=token.device)
+    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, template)
+
+
+def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> None:
+    """Send what the backward of ``recv(..., message)`` sends, for a received value that
+    backward never reached (the receiver's outputs do not depend on it): its zero gradient.
+
+    Example::
+
+        send_gradient(torch.zeros(shape), "pp", 0, message=mb)
+    """
+    _run(current("autoshard send_gradient"), "send", grad.detach(), axis, (peer, 2 * message + 1), "recv", tag,
+         "backward")
 
 
 # ---- resharding after forward (ZeRO-3 / FSDP) ------------------------------------------------
@@ -361,12 +436,14 @@ def reshard_after_forward():
         if not (isinstance(obj, tuple) and obj and obj[0] == "regather"):
             return obj
         _, shard, axis, dims, tag, size, stride, offset = obj
-        entry = regathered[tag]
+        # A graph kept for a second backward (a zero-bubble weight-gradient pass) unpacks its
+        # saved views again after the count ran out: gather once more.
+        entry = regathered.setdefault(tag, [None, 0])
         if entry[0] is None:
             entry[0] = _run(rctx, "all_gather", shard, axis, dims, "all_gather_varying", tag, "backward")
         full = entry[0]
         entry[1] -= 1
-        if entry[1] == 0:
+        if entry[1] <= 0:
             del regathered[tag]
         return full.as_strided(size, stride, offset)
 
@@ -386,5 +463,7 @@ COLLECTIVES = {
     "use_persistent": use_persistent,
     "dispatch": dispatch,
     "combine": combine,
+    "send": send,
+    "recv": recv,
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()

@@ -6,6 +6,11 @@ reduce_scatter_single / reduce_scatter_tensor, all_to_all_single), so no emulati
 Those primitives work on dim 0 of contiguous tensors, so gathers and scatters along another
 dim move it to the front, run, and move it back.
 
+Point to point (pipeline stage boundaries) uses ``isend`` / ``recv`` on the default group with the
+message number as the tag, so gloo matches messages by tag whatever order they were sent in.
+NCCL ignores tags and matches messages between two ranks in the order they were posted; the
+pipeline schedules post them in matching order, but that path has not been run here.
+
 Values equal the simulated backend's except for the order of floating-point summation, which
 gloo/nccl choose (ring, halving-doubling, ...): expect relative differences around
 ``n * eps`` (fp32: ~1e-6 with 4 ranks); gathers and all-to-all are bit-exact.
@@ -18,6 +23,8 @@ Example (inside a process started by torchrun or :func:`autoshard.runtime.launch
         y = all_reduce(x, "tp")
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -48,6 +55,8 @@ class DistributedBackend(Backend):
             device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
         self.mesh = mesh
         self.device_mesh = device_mesh
+        self._sends: list = []  # (work, buffer) of sends in flight
+        self._to_self: dict = {}  # message -> tensors a rank sent to itself
         self.groups = {axis: device_mesh.get_group(axis) for axis in mesh.names}
         # Both layouts are row-major over the axes; check rather than assume.
         rank = dist.get_rank()
@@ -106,3 +115,29 @@ class DistributedBackend(Backend):
         dist.all_to_all_single(out, rows, output_split_sizes=list(recv_splits),
                                input_split_sizes=list(send_splits), group=self.groups[axis])
         return out
+
+    def _peer_rank(self, axis, peer):
+        rank = dist.get_rank()
+        return rank, self.mesh.rank_of({**self.mesh.coords(rank), axis: peer})
+
+    def send(self, x, axis, peer, message):
+        me, dst = self._peer_rank(axis, peer)
+        buf = x.detach().contiguous().clone()
+        if dst == me:
+            self._to_self.setdefault(message, deque()).append(buf)
+            return
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+        self._sends.append((dist.isend(buf, dst, tag=message), buf))
+
+    def recv(self, template, axis, peer, message):
+        me, src = self._peer_rank(axis, peer)
+        if src == me:
+            return self._to_self[message].popleft()
+        out = torch.empty(template.shape, dtype=template.dtype, device=template.device)
+        dist.recv(out, src, tag=message)
+        return out
+
+    def wait_sends(self):
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()

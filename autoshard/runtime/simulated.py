@@ -6,6 +6,7 @@ get bitwise-identical values and a run is reproducible.
 
 The backend also watches for the ways SPMD programs go wrong, and raises instead of hanging:
 
+- *lost messages*: a point-to-point message nobody received by the end -> :class:`CollectiveError`;
 - *mismatch*: two ranks of one group meet in a collective with different kind, dims, shape,
   dtype or tag -> :class:`CollectiveError` naming both calls;
 - *deadlock*: every unfinished rank waits in a collective that cannot complete (e.g. ranks
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -57,6 +59,14 @@ class _Exchange:
         self.snapshot: tuple[torch.Tensor, ...] = ()
 
 
+class _Mail:
+    """What a rank waiting in ``recv`` waits for: one message from one rank."""
+
+    def __init__(self, src: int, dst: int, message: int):
+        self.key = (src, dst, message)
+        self.ranks = (src,)
+
+
 class SimulatedBackend(Backend):
     """In-process backend for ranks that are threads; one instance is shared by all ranks.
 
@@ -74,6 +84,7 @@ class SimulatedBackend(Backend):
         self.timeout = float(timeout)
         self._cond = threading.Condition()
         self._exchanges: dict[tuple[str, tuple[int, ...]], _Exchange] = {}
+        self._mail: dict[tuple[int, int, int], deque] = {}  # (src, dst, message) -> tensors in flight
         # rank -> "running" | "finished" | "failed" | (exchange, description) while waiting
         self._state: dict[int, Any] = {r: "running" for r in range(mesh.size)}
         self.failure: tuple[int | None, BaseException] | None = None   # the first failure
@@ -137,6 +148,44 @@ class SimulatedBackend(Backend):
             pieces.append(p.narrow(0, sum(splits[:i]), splits[i]))
         return torch.cat(pieces, 0)
 
+    # ---- point to point ---------------------------------------------------------------------
+
+    def send(self, x, axis, peer, message):
+        ctx = self._ctx()
+        src = ctx.rank
+        dst = self.mesh.rank_of({**ctx.coords, axis: peer})
+        with self._cond:
+            self._raise_if_failed(src)
+            self._mail.setdefault((src, dst, message), deque()).append(x.detach().clone())
+            st = self._state.get(dst)
+            if isinstance(st, tuple) and isinstance(st[0], _Mail) and st[0].key == (src, dst, message):
+                self._state[dst] = "running"  # runnable now, under the lock (see _meet)
+            self._cond.notify_all()
+
+    def recv(self, template, axis, peer, message):
+        ctx = self._ctx()
+        dst = ctx.rank
+        src = self.mesh.rank_of({**ctx.coords, axis: peer})
+        key = (src, dst, message)
+        desc = (f"recv(axis={axis!r}, from rank {src}, message {message}, shape={tuple(template.shape)}, "
+                f"dtype={template.dtype})")
+        with self._cond:
+            self._raise_if_failed(dst)
+            if not self._mail.get(key):
+                self._wait_locked(dst, _Mail(src, dst, message), desc, lambda: bool(self._mail.get(key)))
+                self._state[dst] = "running"
+            t = self._mail[key].popleft()
+            if not self._mail[key]:
+                del self._mail[key]
+        if t.shape != template.shape or t.dtype != template.dtype:
+            raise CollectiveError(f"rank {dst} expected {desc} but rank {src} sent shape {tuple(t.shape)}, "
+                                  f"dtype {t.dtype}")
+        return t
+
+    def undelivered(self) -> list:
+        """(sender, receiver, message, shape) of every message sent but never received."""
+        return [(s, d, m, tuple(q[0].shape)) for (s, d, m), q in sorted(self._mail.items()) if q]
+
     # ---- the rendezvous --------------------------------------------------------------------
 
     def _meet(self, kind: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], signature=None, meta=None):
@@ -182,18 +231,22 @@ class SimulatedBackend(Backend):
                 self._cond.notify_all()
                 return ex.snapshot, me
             gen = ex.generation
-            self._state[rank] = (ex, desc)
-            self._detect_deadlock(rank)
-            deadline = time.monotonic() + self.timeout
-            while ex.generation == gen:
-                self._raise_if_failed(rank)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._fail_locked(rank, CollectiveError(
-                        f"timeout after {self.timeout:g}s: rank {rank} waits in {desc} on group "
-                        f"{list(ranks)}; {self._describe_missing(ex)}"))
-                self._cond.wait(left)
+            self._wait_locked(rank, ex, f"{desc} on group {list(ranks)}", lambda: ex.generation != gen)
             return ex.snapshot, me
+
+    def _wait_locked(self, rank: int, what, desc: str, done: Callable[[], bool]) -> None:
+        """Wait (lock held) until ``done()``, as ``rank`` blocked on ``what`` (an exchange or a
+        message); fails on deadlock, timeout or another rank's failure."""
+        self._state[rank] = (what, desc)
+        self._detect_deadlock(rank)
+        deadline = time.monotonic() + self.timeout
+        while not done():
+            self._raise_if_failed(rank)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail_locked(rank, CollectiveError(
+                    f"timeout after {self.timeout:g}s: rank {rank} waits in {desc}; {self._describe_missing(what)}"))
+            self._cond.wait(left)
 
     # ---- failure handling (call with the lock held) ----------------------------------------
 
@@ -211,20 +264,19 @@ class SimulatedBackend(Backend):
         self._cond.notify_all()
         raise exc
 
-    def _describe_missing(self, ex: _Exchange) -> str:
-        parts = []
-        for j, r in enumerate(ex.ranks):
-            if ex.slots[j] is not None:
-                continue
-            st = self._state[r]
-            if isinstance(st, tuple):
-                other, desc = st
-                parts.append(f"rank {r} waits in {desc} on group {list(other.ranks)}")
-            elif st == "running":
-                parts.append(f"rank {r} is still computing")
-            else:
-                parts.append(f"rank {r} has {st}")
-        return "; ".join(parts)
+    def _describe_missing(self, ex) -> str:
+        if isinstance(ex, _Mail):
+            return self._describe_rank(ex.key[0])
+        return "; ".join(self._describe_rank(r) for j, r in enumerate(ex.ranks) if ex.slots[j] is None)
+
+    def _describe_rank(self, r: int) -> str:
+        st = self._state[r]
+        if isinstance(st, tuple):
+            other, desc = st
+            return f"rank {r} waits in {desc}"
+        if st == "running":
+            return f"rank {r} is still computing"
+        return f"rank {r} has {st}"
 
     def _detect_deadlock(self, rank: int | None) -> None:
         """If no rank can make progress, fail with a description of every wait."""
@@ -234,8 +286,7 @@ class SimulatedBackend(Backend):
         lines = []
         for r in waiting:
             ex, desc = self._state[r]
-            lines.append(f"rank {r} waits in {desc} on group {list(ex.ranks)}, where "
-                         f"{self._describe_missing(ex)}")
+            lines.append(f"rank {r} waits in {desc}, where {self._describe_missing(ex)}")
         exc = CollectiveError(
             "deadlock: no rank can proceed (collectives issued in different orders on different "
             "ranks, or a rank skipped one):\n  " + "\n  ".join(lines))
@@ -302,6 +353,10 @@ def run_simulated(mesh, fn: Callable[[int], Any], *, timeout: float = 120.0) -> 
         raise exc
     if stuck:  # pragma: no cover - unreachable: live threads without failure means join waited
         raise CollectiveError(f"threads {stuck} did not finish")
+    lost = backend.undelivered()
+    if lost:
+        raise CollectiveError("messages sent but never received (sender, receiver, message, shape): "
+                              + ", ".join(map(str, lost[:8])) + (" ..." if len(lost) > 8 else ""))
     return results
 
 

@@ -1,0 +1,265 @@
+"""Property test of op rules: each op with random shapes, planned with every letter its rule
+lets shard (loop letters, and contracted letters that leave a pending sum), on a 2-rank mesh,
+must equal the unsharded op (outputs and parameter gradients) and must really split that op.
+
+The letters come from the rule itself (``info.indexing`` of the op's node), named by the dims
+of the operand carrying them; a rule that claimed a letter it cannot shard, or a rewrite that
+shards it wrongly, fails here. Ops rewritten at capture (``rules.DECOMPOSITIONS``) are checked
+the same way on every dim of their input.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import Mesh
+from autoshard.ownership import Partial, Shard
+from autoshard.passes.capture import capture
+from autoshard.passes.dims import infer_dims
+from autoshard.passes.rules import get_path
+
+aten = torch.ops.aten
+SEEDS = [0, 1]
+
+
+class OpModule(torch.nn.Module):
+    """``fn(self, *inputs)`` with parameters ``params`` (name -> tensor)."""
+
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for k, v in params.items():
+            self.register_parameter(k, torch.nn.Parameter(v))
+
+    def forward(self, *inputs):
+        return self.fn(self, *inputs)
+
+
+def sizes(r: random.Random, n: int, choices=(2, 4, 6)) -> list:
+    return [r.choice(choices) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- cases
+# Each case: seed -> (op whose node is checked, module, args). The module returns
+# (scalar loss, the op's result...) so both are compared.
+
+def conv(nd, groups="one"):
+    def make(seed):
+        r = random.Random(seed)
+        n, cin = sizes(r, 2)
+        cout = r.choice([2, 4, 6]) if groups == "one" else cin
+        space = sizes(r, nd, (4, 5, 6))
+        g = {"one": 1, "depthwise": cin, "two": 2}[groups]
+        w = torch.randn(cout, cin // g, *[3] * nd)
+        fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+
+        def f(m, x):
+            y = fn(x, m.w, m.b, padding=1, groups=g)
+            return (y * y).sum(), y
+        op = {1: aten.conv1d.default, 2: aten.conv2d.default, 3: aten.conv3d.default}[nd]
+        return op, OpModule(f, w=w, b=torch.randn(cout)), (torch.randn(n, cin, *space),)
+    return make
+
+
+def along(kind):
+    def make(seed):
+        r = random.Random(seed)
+        shape = sizes(r, 3)
+        d = r.randrange(3)
+
+        def f(m, x):
+            y = x * m.w
+            if kind == "topk":
+                v, i = torch.topk(y, 2, dim=d)
+            else:
+                v, i = torch.sort(y, dim=d, descending=seed % 2 == 1)
+            return (v * v).sum(), v, i
+        op = aten.topk.default if kind == "topk" else aten.sort.default
+        return op, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+    return make
+
+
+def gather(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+    d = r.randrange(3)
+    ishape = list(shape)
+    ishape[d] = r.choice([2, 4])
+    index = torch.randint(0, shape[d], ishape)
+
+    def f(m, x, idx):
+        y = torch.gather(x * m.w, d, idx)
+        return (y * y).sum(), y
+    return aten.gather.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape), index)
+
+
+def histc(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        h = torch.histc(x, bins=4, min=-1.0, max=1.0)
+        return (h * m.w).sum(), h
+    return aten.histc.default, OpModule(f, w=torch.randn(4)), (torch.randn(shape).clamp(-0.99, 0.99),)
+
+
+def chunk(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3, (4, 6))
+    d = r.randrange(3)
+
+    def f(m, x):
+        a, b = torch.chunk(x * m.w, 2, dim=d)
+        y = a * b
+        return (y * y).sum(), y
+    return aten.chunk.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def index_put(seed):
+    r = random.Random(seed)
+    rows, n, h = r.choice([4, 6]), r.choice([2, 4]), r.choice([2, 4, 6])
+    idx = torch.randint(0, rows, (n,))
+
+    def f(m, x, i):
+        v = x * m.w
+        base = torch.zeros(rows, h).index_put_((i,), v, accumulate=True)
+        return (base * base).sum(), base
+    return aten.index_put_.default, OpModule(f, w=torch.randn(n, h)), (torch.randn(n, h), idx)
+
+
+def in_place(kind):
+    def make(seed):
+        r = random.Random(seed)
+        shape = sizes(r, 3)
+
+        def f(m, x):
+            y = x * m.w
+            if kind == "div_":
+                y /= y.sum(-1, keepdim=True).abs() + 1.0  # a router's normalization
+            else:
+                y += x
+            return (y * y).sum(), y
+        op = aten.div_.Tensor if kind == "div_" else aten.add_.Tensor
+        return op, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+    return make
+
+
+def binary(kind):
+    def make(seed):
+        r = random.Random(seed)
+        shape = sizes(r, 2)
+
+        def f(m, x):
+            y = x * m.w
+            z = torch.where(x > 0, y, 0.5) if kind == "where" else torch.min(y, x)
+            return (z * z).sum(), z
+        op = aten.where.ScalarOther if kind == "where" else aten.min.other
+        return op, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+    return make
+
+
+def pad(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = F.pad(x * m.w, (0, 1), value=-1.0)
+        return (y * y).sum(), y
+    return aten.pad.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def diff(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = x * m.w
+        z = torch.diff(y, dim=-1, prepend=y[:, :1] - 1)
+        return (z * z).sum(), z
+    return aten.diff.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+CASES = {
+    "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
+    "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
+    "histc": histc, "chunk": chunk, "index_put_": index_put, "div_": in_place("div_"), "add_": in_place("add_"),
+    "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
+}
+
+
+def shardable(cap, op):
+    """{dim name: (letter, summed?)} for every letter the op's rule lets shard."""
+    info = infer_dims(cap.graph, {i.name: i.target for i in cap.inputs})
+    node = next(n for n in cap.graph.nodes if n.target == op)
+    ix = info.indexing[node]
+    out = {}
+    for letter in (ix.loop - ix.local) | ix.summed:
+        for path, letters in ix.inputs:
+            if letter in letters:
+                atoms = info.of(get_path(node, path))[letters.index(letter)]
+                out[info.dim_name(atoms)] = (letter, letter in ix.summed)
+                break
+    return node, out
+
+
+def check_exact(plan, model, args, split_sum=False):
+    """Outputs and parameter gradients equal the unsharded op's, to fp32 rounding at the
+    values' scale: a sum over a split dim (a contraction, a parameter's gradient over a split
+    batch) adds two halves then their sum, and CPU convolution kernels block a smaller batch or
+    channel count differently, so the order of additions differs (atol 1e-6 x the largest
+    magnitude; 1e-5 x for split contractions)."""
+    model.zero_grad()
+    ref = model(*args)
+    ref[0].backward()
+    got = plan.simulate(*args)
+    for a, b in zip(got, ref):
+        b = b.detach()
+        scale = max(1.0, float(b.abs().max())) if b.dtype.is_floating_point else 0.0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=(1e-5 if split_sum else 1e-6) * scale)
+    _, grads = plan.simulate_grads(*args)
+    for n, p in model.named_parameters():
+        # a gradient is a sum over the split batch or space: its rounding scales with its size
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6 * max(1.0, float(p.grad.abs().max())),
+                                   msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_shardable_letter_matches_the_unsharded_op(case, seed):
+    op, model, args = CASES[case](seed)
+    cap = capture(model, args)
+    node, names = shardable(cap, op)
+    expect = {"conv2d_groups": 1, "histc": 2}.get(case)  # grouped conv: only the batch; histc: both dims summed
+    assert names, f"{case}: the rule shards nothing"
+    if expect is not None:
+        assert len(names) == expect, names
+    for name, (letter, summed) in names.items():
+        plan = autoshard.autoshard(model, args, mesh=Mesh({"x": 2}), layout={name: "x"}, captured=cap)
+        check_exact(plan, model, args, split_sum=summed)
+        place = plan.program.placements[node.name][0][0]
+        assert isinstance(place, Partial if summed else Shard), (case, name, letter, place)
+
+
+@pytest.mark.parametrize("dim", [0, 1, None])
+def test_repeat_interleave_keeps_the_split_of_its_dim(dim):
+    """Decomposed at capture (unsqueeze, expand, reshape): a split of the repeated dim carries
+    over (each rank repeats its own rows), and the result equals torch's."""
+    r = random.Random(dim or 7)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = (x * m.w).repeat_interleave(3, dim=dim)
+        return (y * y).sum(), y
+    model, args = OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+    cap = capture(model, args)
+    assert not any(n.target == aten.repeat_interleave.self_int for n in cap.graph.nodes)
+    for d in range(2):
+        plan = autoshard.autoshard(model, args, mesh=Mesh({"x": 2}), layout={f"w:{d}": "x"}, captured=cap)
+        check_exact(plan, model, args)
+        out = plan.program.output_placements[1][0]
+        split = dim == d or (dim is None and d == 0)
+        assert isinstance(out, Shard) == (split or (dim is not None and d != dim)), (dim, d, out)
