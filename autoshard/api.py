@@ -34,6 +34,7 @@ from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline,
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
+from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
@@ -46,8 +47,8 @@ from autoshard.passes.units import check_policy
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
-              search: Optional[bool] = None, pipeline: Optional[dict] = None, verbose: bool = False,
-              captured=None, precision=None) -> Plan:
+              search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
+              verbose: bool = False, captured=None, precision=None) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -80,7 +81,12 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ["layers.4"]}`` splits the layer sequence over that mesh axis (a mesh axis named ``pp``
     implies it); keys left out are chosen by the planner. ``args`` is then one step's whole
     batch, split along dim 0 into the microbatches (a ``captured`` graph must then be of one
-    microbatch). See :mod:`autoshard.pipeline_plan`."""
+    microbatch). See :mod:`autoshard.pipeline_plan`.
+
+    Mixture-of-Experts layers are recognised (``passes.experts``): their experts dim is named
+    ``experts`` and ``layout={"experts": "ep"}`` places experts on ``ep`` with dispatch and
+    combine all-to-alls. ``moe={"capacity_factor": 1.25}`` caps the rows per expert (the drop
+    policy of ``autoshard.runtime.experts``); the default is dropless."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -115,6 +121,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     origins = {i.name: i.target for i in cap.inputs}
     info = infer_dims(cap.graph, origins)
     apply_dim_names(info, cap, dims)
+    find_expert_regions(cap.graph, info, **_moe_options(moe))
     timings["dims"] = time.perf_counter() - t
     _progress(verbose, f"named dims in {timings['dims']:.2f}s")
 
@@ -211,6 +218,14 @@ def widen_gradient_sums(program, reduce_dtype, param_dtype) -> None:
         if c.phase == "backward" and c.kind in ("all_reduce", "reduce_scatter") and wide != src:
             c.bytes = c.bytes * wide // src
             c.why += f" (summed in {str(reduce_dtype).replace('torch.', '')})"
+
+
+def _moe_options(moe) -> dict:
+    moe = dict(moe or {})
+    unknown = set(moe) - {"capacity_factor"}
+    if unknown:
+        raise ValueError(f"moe= takes 'capacity_factor', not {sorted(unknown)}")
+    return moe
 
 
 def _cost_model(hardware):

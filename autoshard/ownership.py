@@ -1,4 +1,4 @@
-"""Ownership of a value on one mesh axis: Shard(dim), Replicate or Partial.
+"""Ownership of a value on one mesh axis: Shard(dim), Replicate, Partial or Owned(index).
 
 A value's *placement* is a tuple with one ownership per mesh axis (in mesh order).
 
@@ -38,6 +38,17 @@ class Partial:
         return "P"
 
 
+@dataclass(frozen=True)
+class Owned:
+    """Whole on the ranks at coordinate ``index`` of the axis, absent (an empty block: dim 0 of
+    size 0) on the others: one expert of a ``ModuleList`` placed by expert parallelism."""
+
+    index: int
+
+    def __str__(self):
+        return f"O({self.index})"
+
+
 R = Replicate()
 P = Partial()
 
@@ -46,13 +57,13 @@ def parse(items) -> tuple:
     """A placement from its strings, one per mesh axis: ``["S(0)", "R"]`` -> (Shard(0), R)."""
     out = []
     for s in items:
-        m = re.fullmatch(r"S\((\d+)\)", s) if isinstance(s, str) else None
+        m = re.fullmatch(r"([SO])\((\d+)\)", s) if isinstance(s, str) else None
         if m:
-            out.append(Shard(int(m.group(1))))
+            out.append((Shard if m.group(1) == "S" else Owned)(int(m.group(2))))
         elif s in ("R", "P"):
             out.append(R if s == "R" else P)
         else:
-            raise ValueError(f"unknown owner {s!r} (expected 'S(d)', 'R' or 'P')")
+            raise ValueError(f"unknown owner {s!r} (expected 'S(d)', 'O(i)', 'R' or 'P')")
     return tuple(out)
 
 
@@ -67,11 +78,27 @@ def shard_axes(place, axes, dim: int) -> list[str]:
 
 
 def local_shape(shape, place, mesh) -> tuple:
+    """Shape of the block a rank holds (for an ``Owned`` value: on its owners)."""
     out = list(shape)
     for o, a in zip(place, mesh.names):
         if isinstance(o, Shard):
             out[o.dim] //= mesh.axes[a]
     return tuple(out)
+
+
+def held_fraction(place, mesh) -> float:
+    """Fraction of a rank's ``local_shape`` block it holds on average: ``Owned`` values exist on
+    one index of their axis (experts spread evenly, so every rank holds this share)."""
+    f = 1.0
+    for o, a in zip(place, mesh.names):
+        if isinstance(o, Owned):
+            f /= mesh.axes[a]
+    return f
+
+
+def holds(place, mesh, coords: dict) -> bool:
+    """Whether the rank at ``coords`` holds a value (False where an ``Owned`` axis says not)."""
+    return all(not isinstance(o, Owned) or coords[a] == o.index for o, a in zip(place, mesh.names))
 
 
 def block_index(place, mesh, coords: dict, dim: int) -> tuple[int, int]:
@@ -90,6 +117,8 @@ def local_piece(full: torch.Tensor, place, mesh, rank: int) -> torch.Tensor:
     input ownership: a global value has no pending sum)."""
     coords = mesh.coords(rank)
     out = full
+    if not holds(place, mesh, coords):
+        return full.narrow(0, 0, 0)
     for d in range(full.dim()):
         i, n = block_index(place, mesh, coords, d)
         if n > 1:
@@ -104,7 +133,7 @@ def _bad_split(full, d, n):
 def assemble(pieces: list, place, mesh, shape=None) -> torch.Tensor:
     """Inverse of :func:`local_piece` with Partial summed: the global value from every rank's
     local tensor."""
-    first = pieces[0]
+    first = next((p for r, p in enumerate(pieces) if holds(place, mesh, mesh.coords(r))), pieces[0])
     if not isinstance(first, torch.Tensor):
         return first
     if shape is None:
@@ -119,6 +148,8 @@ def assemble(pieces: list, place, mesh, shape=None) -> torch.Tensor:
     for rank, piece in enumerate(pieces):
         coords = mesh.coords(rank)
         if any(isinstance(o, Replicate) and coords[a] != 0 for o, a in zip(place, mesh.names)):
+            continue
+        if not holds(place, mesh, coords):
             continue
         if not has_partial and any(isinstance(o, Partial) for o in place):
             continue

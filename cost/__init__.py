@@ -18,6 +18,7 @@ from .compute import (
 from .hardware import PRESETS, DeviceSpec, Hardware, LinkSpec, load_hardware, normalize_dtype, save_hardware
 from .memory import ModelState, activation_bytes, kv_cache_bytes, model_state_bytes
 from .pipeline import bubble_fraction, bubble_overhead
+from .experts import tokens_per_expert
 
 __all__ = [
     # hardware
@@ -32,6 +33,8 @@ __all__ = [
     "ModelState", "model_state_bytes", "kv_cache_bytes", "activation_bytes",
     # pipeline
     "bubble_fraction", "bubble_overhead",
+    # expert parallelism
+    "tokens_per_expert",
 ]
 
 # Graph cost model, layout search and calibration (see cost/model.py, cost/search.py).

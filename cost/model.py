@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 
-from autoshard.ownership import slice_dim_for
+from autoshard.ownership import held_fraction, slice_dim_for
 from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.buckets import assign_buckets
 from autoshard.runtime.collectives import backward_collective
@@ -411,7 +411,7 @@ def _local_numel(shape, place, mesh) -> int:
     n = 1
     for s in out:
         n *= int(s)
-    return n
+    return int(n * held_fraction(place, mesh))  # one expert of a ModuleList: on 1/n of the ranks
 
 
 def _state_inputs(inputs, vals, input_places, use_places, counts, kinds=("parameter",), trainable=True):

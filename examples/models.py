@@ -1,4 +1,5 @@
-"""Example models for autoshard: a Llama-style and a GPT-2-style decoder, pure torch.
+"""Example models for autoshard: a Llama-style and a GPT-2-style decoder, and a Llama-style
+Mixture-of-Experts decoder in two shapes (sparse dispatch and looped experts), pure torch.
 
 The modules mirror Hugging Face's submodule names (``layers.0.self_attn.q_proj``,
 ``h.0.attn.c_attn``, ...) and its forward-code idioms (repeat_kv via expand+reshape, Conv1D via
@@ -21,9 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard.runtime.experts import grouped_mm
+
 __all__ = [
     "LlamaConfig", "Llama", "GPT2Config", "GPT2", "Conv1D", "init_weights",
     "llama_tiny", "gpt2_tiny", "llama_8b_meta", "factory", "FACTORIES",
+    "MoEConfig", "MoE", "moe_tiny",
 ]
 
 
@@ -464,6 +468,149 @@ def gpt2_tiny(*, batch: int = 4, seq: int = 8, seed: int = 0, with_labels: bool 
     return model, args, dims
 
 
+# --------------------------------------------------------------------------------------------
+# Mixture of Experts (Llama blocks whose MLP is a top-k routed MoE layer)
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class MoEConfig(LlamaConfig):
+    num_experts: int = 4
+    experts_per_token: int = 2
+    expert_size: int = 16  # each expert's intermediate size
+    # "grouped": experts stacked in [experts, ...] tensors, tokens sorted by expert and one grouped
+    # matmul per projection (how Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts export);
+    # "looped": a ModuleList of expert MLPs, each applied to every token and masked by its weight.
+    experts: str = "grouped"
+
+
+class TopKRouter(nn.Module):
+    """softmax over experts, top-k, weights renormalized over the chosen k (Mixtral's router)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, tokens):
+        probs = F.softmax(F.linear(tokens, self.weight).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), chosen
+
+
+class GroupedExperts(nn.Module):
+    """Stacked expert weights; forward(hidden [T, h], top_k_index [T, k], top_k_weights [T, k])."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        e, h, f = config.num_experts, config.hidden_size, config.expert_size
+        self.num_experts = e
+        self.gate_proj = nn.Parameter(torch.empty(e, f, h))
+        self.up_proj = nn.Parameter(torch.empty(e, f, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, f))
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        num_tokens, k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        rows = hidden[perm // k]                                  # token rows, grouped by expert
+        counts = torch.histc(expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate = grouped_mm(rows, self.gate_proj.transpose(1, 2), offsets)
+        up = grouped_mm(rows, self.up_proj.transpose(1, 2), offsets)
+        out = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
+        out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+        return out[inverse].view(num_tokens, k, -1).sum(1)
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        h, f = config.hidden_size, config.expert_size
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """A top-k routed MoE layer over the tokens of ``x [b, s, h]``."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.gate = TopKRouter(config)
+        if config.experts == "grouped":
+            self.experts = GroupedExperts(config)
+        elif config.experts == "looped":
+            self.experts = nn.ModuleList(ExpertMLP(config) for _ in range(config.num_experts))
+        else:
+            raise ValueError(f"MoEConfig.experts is 'grouped' or 'looped', not {config.experts!r}")
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.gate(tokens)
+        if isinstance(self.experts, GroupedExperts):
+            return self.experts(tokens, chosen, weights).reshape(x.shape)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            weight = (weights * (chosen == e)).sum(-1, keepdim=True)  # zero unless e was chosen
+            out = out + expert(tokens) * weight.to(tokens.dtype)
+        return out.reshape(x.shape)
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: MoEConfig):
+        super().__init__(config)
+        self.mlp = MoE(config)
+
+
+class MoEModel(Llama):
+    """The Llama decoder with an MoE layer in place of every MLP (Mixtral's structure)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList(MoEDecoderLayer(config) for _ in range(config.num_layers))
+
+
+MOE_PARAM_DIMS = {
+    **LLAMA_PARAM_DIMS,
+    "*.mlp.gate.weight": "router hidden",
+    # grouped: the leading dim of the stacked expert weights is the experts dim
+    "*.experts.gate_proj": "experts ffn hidden",
+    "*.experts.up_proj": "experts ffn hidden",
+    "*.experts.down_proj": "experts hidden ffn",
+    # looped: one MLP per expert (the ModuleList index is the experts dim)
+    "*.experts.*.gate_proj.weight": "ffn hidden",
+    "*.experts.*.up_proj.weight": "ffn hidden",
+    "*.experts.*.down_proj.weight": "hidden ffn",
+}
+for _key in ("*.gate_proj.weight", "*.up_proj.weight", "*.down_proj.weight"):
+    MOE_PARAM_DIMS.pop(_key)
+
+
+def moe_tiny(*, experts: str = "grouped", batch: int = 4, seq: int = 8, seed: int = 0,
+             with_labels: bool = False, **config):
+    """Tiny fp32 MoE decoder: the tiny Llama with 4 experts of size 16, top-2, in every layer.
+
+    ``experts="grouped"`` stacks the experts (sparse dispatch, one grouped matmul per
+    projection); ``experts="looped"`` holds a ``ModuleList`` of expert MLPs. Returns
+    ``(model, args, dims)`` like :func:`llama_tiny`. Example::
+
+        model, args, dims = moe_tiny(experts="looped", with_labels=True)
+        plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"ep": 2}), dims=dims,
+                                   layout={"batch": "ep", "experts": "ep"})
+    """
+    cfg = replace(MoEConfig(experts=experts), **config)
+    model = init_weights(MoEModel(cfg), seed)
+    args = _llama_args(cfg, batch, seq, seed, False, with_labels)
+    looped = experts == "looped"
+    params = {k: v for k, v in MOE_PARAM_DIMS.items() if ".experts." not in k or (".experts.*." in k) == looped}
+    dims = _dims_for({"input_ids": True, "labels": with_labels}, params)
+    return model, args, dims
+
+
 LLAMA_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                        num_kv_heads=8, intermediate_size=14336, rope_theta=500000.0,
                        rms_eps=1e-5, tie_embeddings=False, max_seq_len=8192)
@@ -488,7 +635,7 @@ def llama_8b_meta(*, batch: int = 8, seq: int = 2048, with_mask: bool = False,
     return model, args, dims
 
 
-FACTORIES = {"llama_tiny": llama_tiny, "gpt2_tiny": gpt2_tiny, "llama_8b_meta": llama_8b_meta}
+FACTORIES = {"llama_tiny": llama_tiny, "gpt2_tiny": gpt2_tiny, "llama_8b_meta": llama_8b_meta, "moe_tiny": moe_tiny}
 
 
 def factory(name: str):

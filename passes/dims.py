@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from .rules import RULES, GETITEM, Indexing, get_path, shape_of
+from .rules import GETITEM, Indexing, get_path, rule_for, shape_of
 
 
 class DimTable:
@@ -141,6 +141,7 @@ class DimInfo:
     fallback: list  # nodes without a rule
     names: dict = field(default_factory=dict)  # leaf-atom tuple -> user name
     input_dims: dict = field(default_factory=dict)  # "param.fqn:k" -> atoms of that input dim
+    recognised: dict = field(default_factory=dict)  # what later passes found in this graph, by pass (MoE regions)
 
     def of(self, node: fx.Node, out: int = 0) -> list[list[int]]:
         return self.dims[node][out]
@@ -239,7 +240,7 @@ def infer_dims(graph: fx.Graph, placeholder_origin: dict) -> DimInfo:
                 dims[node] = [dims[src][i]]
             continue
         outs = list(val) if isinstance(val, (tuple, list)) else [val]
-        rule = RULES.get(node.target)
+        rule = rule_for(node.target)
         ix: Optional[Indexing] = rule(node) if rule is not None else None
         if ix is None:
             fallback.append(node)

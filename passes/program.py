@@ -17,19 +17,23 @@ import torch
 from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, slice_dim_for
 from autoshard.runtime.buckets import assign_buckets
 
+from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, rewrite
 from .units import group_units
 
 
 def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, stage: int,
-                   reshard: bool) -> dict:
+                   reshard: bool, keep=()) -> dict:
     """{placeholder name: ParamStorage} for stage 2 and 3: each parameter is split on ``axis``
     along its first dim that no other axis splits and that ``axis`` divides evenly. A parameter
-    with no such dim stays whole (listed in the plan)."""
+    with no such dim, or in ``keep`` (one expert of a ModuleList placed on its owner), stays
+    whole (listed in the plan)."""
     out = {}
     if stage < 2:
         return out
     for name, val in param_nodes.items():
+        if name in keep:
+            continue
         use = use_placements[name]
         for d, size in enumerate(val.shape):
             taken = any(isinstance(o, Shard) and o.dim == d for o in use)
@@ -49,16 +53,21 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
-    places = input_placements(graph, info, resolved, mesh)
+    regions = find_expert_regions(graph, info)
+    owned = owned_placements(regions, input_placements(graph, info, resolved, mesh), resolved, mesh)
+    places = input_placements(graph, info, resolved, mesh, owned)
     axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
     if zero_stage and not axes:
         raise LayoutError(f"zero_stage={zero_stage} shards training state over the data-parallel axis, but no mesh "
                           f"axis splits an input: put the batch dim on a mesh axis in layout (e.g. {{'batch': 'dp'}})")
     params = {n.name: n.meta["val"] for n in graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
-    storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard) if zero_stage else {}
+    storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard, owned) if zero_stage else {}
     bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
+    moe: list = []  # one RegionPlan per MoE layer, filled by the rewrite
     program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
-                      bucket_candidates=[n for n in params if n not in storage] if bucket_axis else ())
+                      bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
+                      regions=lowerings(regions, moe), fixed=owned)
+    program.experts = moe
     if zero_stage == 3:
         program.units = group_units(program, units, mesh, display)
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)

@@ -596,6 +596,13 @@ def local_groups(node: fx.Node, args: tuple) -> tuple:
     return tuple(args)
 
 
+def grouped_matmul_rule(node: fx.Node) -> Indexing:
+    """grouped matmul(x [rows, i], w [experts, i, o], offs [experts]): each expert's block of
+    rows (ending at offs[e]) times its matrix. Rows and experts stay whole (offs counts rows);
+    the contracted i may be split (a pending sum), o too (column blocks)."""
+    return einsum("s i, e i o, e -> s o", summed="i", local="s e", linear=(0, 1))(node)
+
+
 POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 CONVOLUTION = {aten.convolution.default}
 
@@ -716,8 +723,26 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.argsort.default: along_dim_rule((1, "dim")),
     aten.argsort.stable: along_dim_rule((None, "dim")),
     aten.histc.default: histc_rule,
+    aten._grouped_mm.default: grouped_matmul_rule,
     **{op: creation_rule for op in CREATION},
 }
+# Rules for ops of optional libraries, by qualified name (the op exists once the library loads).
+NAMED_RULES: dict[str, Callable[[fx.Node], Indexing]] = {
+    "autoshard::grouped_mm": grouped_matmul_rule,
+    "transformers::grouped_mm_fallback": grouped_matmul_rule,
+}
+
+
+def rule_for(target) -> Optional[Callable[[fx.Node], Indexing]]:
+    """The rule of an FX call target: the op table, else the named table (custom ops).
+
+    >>> rule_for(torch.ops.aten.sort.default).__doc__
+    'along-dim rule (the dim stays whole)'
+    """
+    rule = RULES.get(target)
+    if rule is None and hasattr(target, "name") and callable(target.name):
+        rule = NAMED_RULES.get(target.name().split(".")[0])
+    return rule
 
 
 # Non-tensor arguments that depend on local sizes: (node, local args) -> local args.

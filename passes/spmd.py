@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from autoshard.ownership import P, R, Partial, Replicate, Shard, local_shape
+from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
 from autoshard.runtime import collectives as C
 
 from .dims import DimInfo, module_of, source_line
@@ -147,7 +147,11 @@ class Program:
 
 class _Rewriter:
     def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
-                 storage: dict, bucket_axis=None, bucket_candidates=()):
+                 storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None):
+        # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
+        # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
+        self.regions = regions or {}
+        self.fixed = fixed or {}
         self.display = display  # placeholder name -> parameter FQN / argument name, for messages
         self.storage = storage  # placeholder name -> ParamStorage (state sharding on a data axis)
         self.full_copies: dict = {}  # placeholder name -> its persistent full copy's placeholder
@@ -208,6 +212,10 @@ class _Rewriter:
         """Local node holding ``src`` (output ``out``) with placement ``target``; ``varying``:
         axes on which the consumer's work differs per rank (so gradients must be summed)."""
         cur = self.place[src][out]
+        for o, t, a in zip(cur, target, self.axes):
+            if isinstance(o, Owned) and o != t:
+                raise LayoutError(f"{self.display.get(src.name, src.name)} exists only on index {o.index} of mesh axis "
+                                  f"{a!r} (one expert), but {self.where(consumer)} reads it outside its MoE layer")
         node = self.local[src] if out is None or not isinstance(self.local[src], list) else self.local[src][out]
         needs_grad = src in self.rg
         varying = frozenset(varying) if needs_grad else frozenset()
@@ -357,7 +365,7 @@ class _Rewriter:
                 placeholders.append((node.name, "input", index))
                 if is_tensor_node(node):
                     st = self.storage.get(node.name)
-                    use_places[node.name] = self.desired(node)
+                    use_places[node.name] = self.fixed.get(node.name) or self.desired(node)
                     self.place[node] = [st.placement if st else use_places[node.name]]
                     new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
                     if st is not None and st.mode == "persistent":
@@ -413,6 +421,8 @@ class _Rewriter:
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
 
     def visit(self, node: fx.Node):
+        if node in self.regions:
+            return self.regions[node](self, node)
         if node.target is GETITEM:
             src, i = node.args
             new = self.g.call_function(operator.getitem, (self.local[src], i))
@@ -721,18 +731,22 @@ def requires_grad_nodes(graph: fx.Graph, grad_inputs: set) -> set:
     return out
 
 
-def input_placements(graph: fx.Graph, info: DimInfo, layout: Layout, mesh) -> dict:
-    """{placeholder name: placement the layout gives it} for every tensor input."""
+def input_placements(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, fixed=None) -> dict:
+    """{placeholder name: placement the layout gives it} for every tensor input (``fixed``:
+    placements decided by another pass, by name)."""
     r = _Rewriter(graph, info, layout, mesh, set(), {}, {})
-    return {n.name: r.desired(n) for n in graph.nodes if n.op == "placeholder" and is_tensor_node(n)}
+    fixed = fixed or {}
+    return {n.name: fixed.get(n.name) or r.desired(n) for n in graph.nodes if n.op == "placeholder" and is_tensor_node(n)}
 
 
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
-            storage=None, bucket_axis=None, bucket_candidates=()) -> Program:
+            storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
-    ``bucket_candidates``: parameters whose ``bucket_axis`` gradient sync may be bucketed."""
+    ``bucket_candidates``: parameters whose ``bucket_axis`` gradient sync may be bucketed;
+    ``regions``: {node: visitor} for nodes another pass writes (``passes.experts.lowerings``);
+    ``fixed``: placements of inputs decided by such a pass."""
     rg = requires_grad_nodes(graph, grad_inputs)
     return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
-                     bucket_candidates).run()
+                     bucket_candidates, regions, fixed).run()

@@ -186,6 +186,6 @@ def test_export_llama_8b_meta_without_memory():
 
 def test_factory_lookup():
     assert factory("llama_tiny") is llama_tiny
-    assert set(FACTORIES) == {"llama_tiny", "gpt2_tiny", "llama_8b_meta"}
+    assert set(FACTORIES) == {"llama_tiny", "gpt2_tiny", "llama_8b_meta", "moe_tiny"}
     with pytest.raises(ValueError, match="llama_tiny"):
         factory("nope")

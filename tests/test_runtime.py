@@ -47,6 +47,8 @@ KINDS = {
     "to_partial": (None, None),
     "use_persistent": (None, "reduce_scatter"),
     "gather_unit": ("all_gather", "reduce_scatter"),  # semantics: tests/test_units.py
+    "dispatch": ("all_to_all", "all_to_all"),  # variable splits, costed as all-to-all
+    "combine": ("all_to_all", "all_to_all"),
     "send": ("send", "recv"),  # pipeline boundaries: tests/test_pipeline.py
     "recv": ("recv", "send"),
 }

@@ -21,6 +21,7 @@ from .collectives import (ADJOINTS, COLLECTIVES, COMM_KINDS, LOCAL_KINDS, Adjoin
                           forward_collective, mark_varying, reduce_scatter, reshard_after_forward,
                           shard_slice, to_partial, use_persistent)
 from .distributed import DistributedBackend
+from . import experts
 from .context import CollectiveRecord, RankContext, current, rank_context, trace_phase
 from .simulated import SimulatedBackend, SimulationAborted, run_simulated
 

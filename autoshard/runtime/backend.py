@@ -10,6 +10,9 @@ Semantics, for a group of ``n`` ranks in axis-coordinate order and this rank at 
 - ``all_gather(x, axis, dim)``: ``cat([x_0, ..., x_{n-1}], dim)``.
 - ``reduce_scatter(x, axis, dim)``: chunk ``i`` (of ``n`` equal chunks along ``dim``) of the sum.
 - ``all_to_all(x, axis, scatter_dim, gather_dim)``: ``cat([chunk_i(x_j, scatter_dim) for j], gather_dim)``.
+- ``all_to_all_v(x, axis, send_splits, recv_splits)``: rows of dim 0 with sizes per peer, from
+  rank j the ``send_splits_j[i]`` rows after its first ``sum(send_splits_j[:i])``, concatenated
+  in j order (``recv_splits[j]`` of them); ``torch.distributed.all_to_all_single`` with splits.
 
 Point to point (pipeline stage boundaries), with ``peer`` a coordinate on ``axis`` (the other
 coordinates are this rank's) and ``message`` a number both sides agree on:
@@ -42,6 +45,16 @@ def check_divisible(x: torch.Tensor, axis: str, dim: int, n: int, what: str) -> 
     return size // n
 
 
+def check_splits(x: torch.Tensor, axis: str, n: int, send_splits, recv_splits) -> None:
+    """One split size per rank of the group, and the send splits partition the rows of ``x``."""
+    if len(send_splits) != n or len(recv_splits) != n:
+        raise ValueError(f"all_to_all_v over mesh axis {axis!r} (size {n}) needs {n} send and {n} receive "
+                         f"splits, got {list(send_splits)} and {list(recv_splits)}")
+    if x.dim() == 0 or sum(send_splits) != x.shape[0]:
+        raise ValueError(f"all_to_all_v over mesh axis {axis!r}: send splits {list(send_splits)} do not "
+                         f"partition the {tuple(x.shape)} rows")
+
+
 class Backend:
     """Communication for the current rank. Subclasses implement the four collectives."""
 
@@ -58,6 +71,9 @@ class Backend:
         raise NotImplementedError
 
     def all_to_all(self, x: torch.Tensor, axis: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_to_all_v(self, x: torch.Tensor, axis: str, send_splits, recv_splits) -> torch.Tensor:
         raise NotImplementedError
 
     def send(self, x: torch.Tensor, axis: str, peer: int, message: int) -> None:

@@ -40,6 +40,9 @@ class Adjoint(NamedTuple):
 
 # Primitives that communicate (and are recorded in the trace) ...
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
+# Primitives with per-rank sizes, recorded (and costed) as the kind they generalize: "all_to_all_v"
+# moves rows with split sizes that differ per rank (expert parallelism's dispatch and combine).
+VARIABLE_KINDS = {"all_to_all_v": "all_to_all"}
 # ... and the local ones: "slice" takes this rank's chunk, "keep_first" keeps x on axis index 0
 # and zeros elsewhere (a replicated value read as a pending sum).
 LOCAL_KINDS = ("identity", "slice", "keep_first")
@@ -60,6 +63,10 @@ ADJOINTS: dict[str, Adjoint] = {
     "use_persistent":     Adjoint("identity",       "reduce_scatter"),  # Shard(d) -> Replicate, varying use
     # ZeRO-3 / FSDP unit: all_gather_varying of several parameters in one flat buffer.
     "gather_unit":        Adjoint("all_gather",     "reduce_scatter"),  # Shard(d_i) -> Replicate, varying use
+    # Expert parallelism: token rows to the ranks owning their experts and back, with split
+    # sizes (rows per peer) as the dim arguments; the reversed splits are the transpose.
+    "dispatch":           Adjoint("all_to_all_v",   "all_to_all_v"),    # rows by token -> rows by expert
+    "combine":            Adjoint("all_to_all_v",   "all_to_all_v"),    # rows by expert -> rows by token
     # A pipeline stage boundary (point to point on the pipeline axis): the activation goes to
     # the next stage, its gradient comes back from it, and the other way round.
     "send":               Adjoint("send",           "recv"),            # value leaves for the peer stage
@@ -71,7 +78,7 @@ SUMMING = ("all_reduce", "reduce_scatter")
 
 def comm_kind(primitive: str) -> str | None:
     """The trace ``kind`` a primitive records, or None for local ones (``"slice"`` ...)."""
-    return primitive if primitive in COMM_KINDS else None
+    return primitive if primitive in COMM_KINDS else VARIABLE_KINDS.get(primitive)
 
 
 def backward_collective(op: str) -> str | None:
@@ -121,7 +128,7 @@ def _call_backend(ctx: RankContext, method: str, primitive: str, x: torch.Tensor
     finally:
         ctx.call = saved_call
     ctx.trace.append(CollectiveRecord(
-        kind=primitive, axis=axis, bytes=x.numel() * x.element_size(), phase=phase, tag=tag,
+        kind=comm_kind(primitive), axis=axis, bytes=x.numel() * x.element_size(), phase=phase, tag=tag,
         op=op, shape=tuple(x.shape), dtype=x.dtype))
     return out
 
@@ -319,6 +326,35 @@ def use_persistent(shard: torch.Tensor, full: torch.Tensor, axis: str, dim: int,
     return _UsePersistent.apply(shard, full, axis, _dim(full, dim, "use_persistent"), tag)
 
 
+def dispatch(rows: torch.Tensor, axis: str, send_splits, recv_splits, tag: int | None = None) -> torch.Tensor:
+    """Expert parallelism's dispatch: rows ``[sum(send_splits), ...]`` of this rank, the first
+    ``send_splits[0]`` to axis index 0, the next to index 1, ...; returns the rows received,
+    ``recv_splits[j]`` from index j, in index order. Backward sends the gradient rows back
+    (the same exchange with the splits swapped). Split sizes may be zero.
+
+    Example::
+
+        mine = dispatch(rows_by_expert, "ep", [3, 1], [3, 0])   # 4 rows out, 3 in
+    """
+    return _apply("dispatch", rows, axis, (_splits(rows, send_splits, "dispatch"), tuple(recv_splits)), tag)
+
+
+def combine(rows: torch.Tensor, axis: str, send_splits, recv_splits, tag: int | None = None) -> torch.Tensor:
+    """Expert parallelism's combine: the exchange of :func:`dispatch` run the other way (expert
+    outputs back to the ranks of their tokens); its adjoint is again the reversed exchange.
+
+    Example::
+
+        back = combine(expert_out, "ep", [3, 0], [3, 1])        # the inverse of the dispatch above
+    """
+    return _apply("combine", rows, axis, (_splits(rows, send_splits, "combine"), tuple(recv_splits)), tag)
+
+
+def _splits(rows: torch.Tensor, splits, op: str) -> tuple:
+    splits = tuple(int(s) for s in splits)
+    if rows.dim() == 0 or sum(splits) != rows.shape[0] or min(splits, default=0) < 0:
+        raise ValueError(f"{op}: send splits {list(splits)} do not partition the {tuple(rows.shape)} rows")
+    return splits
 # ---- point to point: pipeline stage boundaries ----------------------------------------------
 
 class _PointToPoint(torch.autograd.Function):
@@ -594,6 +630,8 @@ COLLECTIVES = {
     "to_partial": to_partial,
     "use_persistent": use_persistent,
     "gather_unit": gather_unit,
+    "dispatch": dispatch,
+    "combine": combine,
     "send": send,
     "recv": recv,
 }

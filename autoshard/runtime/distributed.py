@@ -29,7 +29,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, Pending, check_divisible
+from .backend import Backend, Pending, check_divisible, check_splits
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
 _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -123,6 +123,14 @@ class DistributedBackend(Backend):
         dist.all_to_all_single(out, front, group=self.groups[axis])
         pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
         return torch.cat(pieces, gather_dim)
+
+    def all_to_all_v(self, x, axis, send_splits, recv_splits):
+        check_splits(x, axis, self.mesh.axis_size(axis), send_splits, recv_splits)
+        rows = x.detach().contiguous()
+        out = rows.new_empty((sum(recv_splits),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(out, rows, output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=self.groups[axis])
+        return out
 
     def _peer_rank(self, axis, peer):
         rank = dist.get_rank()

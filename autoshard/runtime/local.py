@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..ownership import ParamStorage, Replicate, local_piece, local_shape
+from ..ownership import ParamStorage, Replicate, held_fraction, local_piece, local_shape
 from .buckets import GradBuckets
 from .collectives import all_gather, reshard_after_forward
 from .context import current, trace_phase
@@ -281,8 +281,10 @@ def predicted_state_bytes(spec: RankSpec, optimizer_states: int = 2) -> dict:
         if slot.kind != "parameter":
             continue
         size = torch.empty((), dtype=slot.dtype).element_size()
-        use = torch.Size(local_shape(slot.shape, slot.use_placement or slot.placement, mesh)).numel()
-        stored = torch.Size(local_shape(slot.shape, slot.placement, mesh)).numel()
+        # An expert owned by one index of an axis: every rank holds its share of such experts.
+        held = held_fraction(slot.placement, mesh)
+        use = int(torch.Size(local_shape(slot.shape, slot.use_placement or slot.placement, mesh)).numel() * held)
+        stored = int(torch.Size(local_shape(slot.shape, slot.placement, mesh)).numel() * held)
         persistent = slot.storage is not None and slot.storage.mode == "persistent"
         out["params"] += size * (use if persistent else stored)
         if slot.trainable:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import Backend, CollectiveError, check_divisible
+from .backend import Backend, CollectiveError, check_divisible, check_splits
 from .context import describe_call, rank_context
 
 
@@ -132,6 +132,22 @@ class SimulatedBackend(Backend):
         parts, i = self._meet("all_to_all", x, axis, (scatter_dim, gather_dim))
         return torch.cat([p.narrow(scatter_dim, i * s, s) for p in parts], gather_dim)
 
+    def all_to_all_v(self, x, axis, send_splits, recv_splits):
+        check_splits(x, axis, self.mesh.axis_size(axis), send_splits, recv_splits)
+        # Row counts differ per rank: the group agrees on kind, row shape and dtype, and every
+        # sender's split for this rank must equal what this rank expects from it.
+        signature = ("all_to_all_v", tuple(x.shape[1:]), x.dtype, x.device)
+        parts, i = self._meet("all_to_all_v", x, axis, (), signature=signature, meta=tuple(send_splits))
+        ranks = self.mesh.group(axis, self._ctx().rank)
+        pieces = []
+        for j, (p, splits) in enumerate(parts):
+            if splits[i] != recv_splits[j]:
+                raise CollectiveError(
+                    f"all_to_all_v on mesh axis {axis!r}: rank {ranks[j]} sends {splits[i]} rows to rank "
+                    f"{ranks[i]}, which expects {recv_splits[j]}")
+            pieces.append(p.narrow(0, sum(splits[:i]), splits[i]))
+        return torch.cat(pieces, 0)
+
     # ---- point to point ---------------------------------------------------------------------
 
     def send(self, x, axis, peer, message):
@@ -172,18 +188,21 @@ class SimulatedBackend(Backend):
 
     # ---- the rendezvous --------------------------------------------------------------------
 
-    def _meet(self, kind: str, x: torch.Tensor, axis: str, dims: tuple[int, ...]):
-        """Deposit ``x``, wait for the group, return (all tensors in axis order, my index)."""
+    def _meet(self, kind: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], signature=None, meta=None):
+        """Deposit ``x``, wait for the group, return (all tensors in axis order, my index).
+        ``signature``: what every rank of the group must agree on (default: kind, dims, shape,
+        dtype, device); ``meta``: a value deposited with ``x`` (then (tensor, meta) pairs come back)."""
         ctx = self._ctx()
         rank = ctx.rank
         ranks = tuple(self.mesh.group(axis, rank))
         me = ranks.index(rank)
         desc = describe_call(ctx, kind, axis, dims, x)
         tag = ctx.call[1] if ctx.call else None
-        signature = (kind, dims, tuple(x.shape), x.dtype, x.device)
+        if signature is None:
+            signature = (kind, dims, tuple(x.shape), x.dtype, x.device)
         # A private copy: the caller may modify x in place as soon as we return, while slower
         # ranks are still reading the snapshot.
-        payload = x.detach().clone()
+        payload = x.detach().clone() if meta is None else (x.detach().clone(), meta)
         with self._cond:
             self._raise_if_failed(rank)
             ex = self._exchanges.get((axis, ranks))

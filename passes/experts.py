@@ -1,0 +1,585 @@
+"""Expert parallelism: recognise Mixture-of-Experts layers and write their per-rank program.
+
+An MoE layer routes every token to a few experts and sums their outputs, weighted by the
+router. Its code cannot be sharded op by op: it sorts the tokens of the whole batch by expert,
+counts rows per expert and indexes by those counts. Instead this pass recognises the layer as a
+*region* with a known meaning and writes a per-rank program for it (the runtime pieces are in
+``autoshard.runtime.experts``):
+
+    this rank's tokens -> (token, expert) pairs grouped by expert -> [count exchange, dispatch
+    all-to-all on the experts' axis] -> the experts' own code on the rows of this rank's experts
+    -> [combine all-to-all] -> sum over each token's experts, weighted
+
+The experts' own code (the *body*) is copied from the captured graph; everything around it is
+the region's meaning, so the user's routing code (sort, histc, cumsum, inverse permutation) is
+replaced, not sharded. Two shapes of MoE code are recognised:
+
+- **grouped** (sparse dispatch, Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts): a module
+  ``forward(hidden [T, h], top_k_index [T, k], top_k_weights [T, k])`` holding experts stacked
+  in ``[experts, ...]`` parameters, whose code gathers token rows (``hidden[...]``), runs them
+  through grouped matmuls (``autoshard.runtime.grouped_mm``, ``transformers::grouped_mm_fallback``)
+  and multiplies the result by the routing weights. Meaning: ``out[t] = sum_j w[t, j] *
+  expert_{idx[t, j]}(hidden[t])``. The experts dim is the stacked parameters' leading dim.
+- **looped** (dense experts): a ``ModuleList`` of identical expert modules, each applied to the
+  same tokens ``x``, its output multiplied by a per-token weight ``w_e`` (zero for tokens that
+  did not choose it) and summed: ``out = sum_e expert_e(x) * w_e``. Token t is routed to e where
+  ``w_e[t] != 0`` (exact when a zero weight means "not chosen", as with top-k masks: a token's
+  gradient to ``w_e`` is then masked anyway). The experts dim is the list index.
+
+Layout: the experts dim is named ``experts`` (unless the user named it), so
+``layout={"experts": "ep"}`` places experts in contiguous blocks on ``ep``; the region's tokens
+are split over every axis that splits the batch, and over ``ep`` too (a local slice) when the
+batch is whole there. Expert parameters are then ``Shard(experts)`` (stacked) or ``Owned(i)``
+(one ``ModuleList`` entry, on the index that owns it) on ``ep`` and replicated elsewhere, so
+their gradients are summed only over the replicas of the same expert.
+
+Example::
+
+    >>> regions = find_expert_regions(captured.graph, info)      # doctest: +SKIP
+    >>> [(r.module, r.form, r.num_experts) for r in regions]      # doctest: +SKIP
+    [('layers.0.mlp.experts', 'grouped', 4), ...]
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import fx
+
+from autoshard.ownership import Owned, R, Shard
+from autoshard.runtime import collectives as C
+from autoshard.runtime import experts as X
+
+from .dims import DimInfo, module_of, source_line
+from .rules import grouped_matmul_rule, rule_for
+from .spmd import Collective, LayoutError
+
+aten = torch.ops.aten
+
+EXPERTS = "experts"  # the name given to an unnamed experts dim
+
+# Ops a body may not contain: they write sizes, which differ per rank after dispatch.
+SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+         aten.arange.default, aten.arange.start, aten.zeros.default, aten.ones.default, aten.full.default,
+         aten.empty.memory_format, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+         aten.new_empty.default, aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+
+class NotRecognised(Exception):
+    """Internal: a candidate is not an MoE region of a known shape (the message says why)."""
+
+
+class NotCandidate(NotRecognised):
+    """Internal: not even shaped like an MoE layer (no warning)."""
+
+
+class MoEWarning(UserWarning):
+    """A module that looks like a Mixture-of-Experts layer could not be planned as one."""
+
+
+@dataclass
+class ExpertRegion:
+    """One recognised MoE layer of the captured graph."""
+
+    module: str  # the experts module (grouped) or the ModuleList (looped)
+    form: str  # "grouped" | "looped"
+    nodes: frozenset  # nodes the region's program replaces
+    output: fx.Node  # the node whose value the region computes ([T, h])
+    hidden: fx.Node  # the token rows the experts read ([T, h])
+    num_experts: int
+    experts_atoms: tuple  # leaf atoms of the experts dim
+    body: list  # nodes copied per rank (grouped: param preparation and the row program)
+    body_out: fx.Node  # the body's result rows
+    rows: Optional[fx.Node] = None  # grouped: the original gather of token rows (body input)
+    offsets: Optional[fx.Node] = None  # grouped: the original per-expert row offsets
+    top_k_index: Optional[fx.Node] = None
+    top_k_weights: Optional[fx.Node] = None
+    params: list = field(default_factory=list)  # grouped: stacked expert parameters
+    weights: list = field(default_factory=list)  # looped: per-expert weight nodes
+    expert_params: list = field(default_factory=list)  # looped: per expert, its parameters in body order
+    init: Optional[fx.Node] = None  # looped: the accumulator's start (zeros), if any
+    capacity_factor: Optional[float] = None
+
+    @property
+    def top_k(self) -> int:
+        return int(self.top_k_index.meta["val"].shape[1]) if self.top_k_index is not None else 0
+
+
+def find_expert_regions(graph: fx.Graph, info: DimInfo, capacity_factor: Optional[float] = None,
+                        warn: bool = True) -> list:
+    """The MoE regions of ``graph`` (kept in ``info.recognised``). Names each region's experts dim
+    ``experts`` unless the user named it; a ``ModuleList`` gets a new logical dim of size E.
+    ``capacity_factor``: the expert capacity policy of ``autoshard.runtime.experts`` (None:
+    dropless). A module that looks like an MoE layer but cannot be recognised is reported with
+    a :class:`MoEWarning` and left to the generic rules."""
+    regions = info.recognised.get(EXPERTS)
+    if regions is None:
+        regions = []
+        for finder in (_grouped_regions, _looped_regions):
+            for candidate, attempt in finder(graph, info):
+                try:
+                    regions.append(attempt())
+                except NotCandidate:
+                    continue
+                except NotRecognised as e:
+                    if warn:
+                        warnings.warn(f"autoshard: {candidate} looks like a Mixture-of-Experts layer but is not planned "
+                                      f"as one ({e}); it runs with the generic op rules", MoEWarning, stacklevel=3)
+        for r in regions:
+            lv = tuple(r.experts_atoms)
+            info.names.setdefault(lv, EXPERTS)
+        info.recognised[EXPERTS] = regions
+    if capacity_factor is not None:
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive, got {capacity_factor!r}")
+        for r in regions:
+            r.capacity_factor = float(capacity_factor)
+    return regions
+
+
+def _paths(node: fx.Node) -> list:
+    return [v[0] for v in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def _calls(graph):
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def _closure(starts, region: set, forward: bool = True, stop=()) -> set:
+    """Nodes of ``region`` reachable from ``starts`` (users, or inputs when not ``forward``),
+    not expanding past the nodes in ``stop``."""
+    seen, todo = set(), list(starts)
+    while todo:
+        n = todo.pop()
+        if n in stop:
+            continue
+        for m in (n.users if forward else n.all_input_nodes):
+            if m in region and m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def _tensor(n) -> Optional[torch.Tensor]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _outputs(region: set) -> list:
+    return [n for n in region if any(u not in region for u in n.users)]
+
+
+# ---- grouped: stacked experts and grouped matmuls ------------------------------------------------
+
+def _grouped_regions(graph, info):
+    by_module = defaultdict(list)
+    for n in _calls(graph):
+        if rule_for(n.target) is grouped_matmul_rule:
+            by_module[module_of(n)].append(n)
+    for mod, gops in by_module.items():
+        yield f"module '{mod}'", (lambda mod=mod, gops=gops: _grouped(graph, info, mod, gops))
+
+
+def _grouped(graph, info, mod, gops) -> ExpertRegion:
+    region = {n for n in _calls(graph) if mod in _paths(n)}
+    ext = {a for n in region for a in n.all_input_nodes if a not in region}
+    params = {a for a in ext if a.op == "placeholder"}
+    data = [a for a in ext - params if _tensor(a) is not None]
+    idx = [a for a in data if not _tensor(a).is_floating_point() and _tensor(a).dim() == 2]
+    if len(idx) != 1:
+        raise NotRecognised(f"it reads {len(data)} tensors from outside; expected token rows [T, h], "
+                            f"top_k_index [T, k] and top_k_weights [T, k]")
+    idx = idx[0]
+    T, k = _tensor(idx).shape
+    wts = [a for a in data if a is not idx and _tensor(a).is_floating_point() and tuple(_tensor(a).shape) == (T, k)]
+    hid = [a for a in data if a is not idx and a not in wts and _tensor(a).dim() == 2 and _tensor(a).shape[0] == T]
+    if len(wts) != 1 or len(hid) != 1 or len(data) != 3:
+        raise NotRecognised("its inputs are not (token rows [T, h], top_k_index [T, k], top_k_weights [T, k])")
+    wts, hid = wts[0], hid[0]
+    outs = _outputs(region)
+    if len(outs) != 1 or _tensor(outs[0]) is None or tuple(_tensor(outs[0]).shape) != tuple(_tensor(hid).shape):
+        raise NotRecognised("it does not return one [T, h] tensor")
+    gathers = [n for n in region if n.target == aten.index.Tensor and n.args[0] is hid]
+    if len(gathers) != 1:
+        raise NotRecognised("it does not gather token rows with one hidden[...] index")
+    rows = gathers[0]
+    weighted = _closure([wts], region)
+    from_rows = _closure([rows], region) - weighted
+    ends = [n for n in from_rows if any(u in weighted for u in n.users)]
+    if len(ends) != 1:
+        raise NotRecognised("its expert outputs do not meet the routing weights in one place")
+    body_out = ends[0]
+    offsets = {g.args[2] if len(g.args) > 2 else g.kwargs.get("offs") for g in gops}
+    if len(offsets) != 1:
+        raise NotRecognised("its grouped matmuls do not share one offsets tensor")
+    offsets = offsets.pop()
+    anc = _closure([body_out], region, forward=False, stop={rows, offsets}) | {body_out}
+    param_only = set()
+    for n in _calls(graph):
+        if n in region and n.all_input_nodes and all(a in params or a in param_only for a in n.all_input_nodes):
+            param_only.add(n)
+    body = []
+    S = _tensor(rows).shape[0]
+    for n in _calls(graph):
+        if n not in anc or n is rows:
+            continue
+        if n in param_only:
+            body.append(n)
+            continue
+        if n is offsets:
+            continue
+        if n not in from_rows:
+            raise NotRecognised(f"the experts' computation reads {n.name} ({n.target}), which is neither a token "
+                                f"row, an expert parameter nor the per-expert offsets")
+        if n.target in SIZED:
+            raise NotRecognised(f"the experts' computation contains {n.target} ({n.name}), which writes sizes")
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else [vals]
+        if any(isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != S) for v in vals):
+            raise NotRecognised(f"{n.name} ({n.target}) in the experts' computation is not row by row")
+        for a in n.all_input_nodes:
+            if a not in anc and a is not rows and a not in params and a is not offsets:
+                raise NotRecognised(f"{n.name} reads {a.name}, computed outside the experts")
+        body.append(n)
+    atoms = {info.leaves(info.of(g.args[1])[0]) for g in gops}
+    if len(atoms) != 1:
+        raise NotRecognised("its grouped matmuls do not share one experts dim")
+    atoms = atoms.pop()
+    E = math.prod(info.table.size[a] for a in atoms)
+    used = sorted((p for p in params if any(p in b.all_input_nodes for b in body)), key=lambda p: p.name)
+    return ExpertRegion(mod, "grouped", frozenset(region), outs[0], hid, E, atoms, body, body_out, rows=rows,
+                        offsets=offsets, top_k_index=idx, top_k_weights=wts, params=used)
+
+
+# ---- looped: a ModuleList of expert modules ------------------------------------------------------
+
+def _looped_regions(graph, info):
+    kids = defaultdict(lambda: defaultdict(list))
+    for n in _calls(graph):
+        for path in _paths(n):
+            m = re.fullmatch(r"(.+)\.(\d+)", path)
+            if m:
+                kids[m.group(1)][int(m.group(2))].append(n)
+    for parent, members in kids.items():
+        if len(members) >= 2 and sorted(members) == list(range(len(members))):
+            yield f"ModuleList '{parent}'", (lambda parent=parent, members=members: _looped(graph, info, parent, members))
+
+
+def _looped(graph, info, parent, members) -> ExpertRegion:
+    E = len(members)
+    experts, xs, ys, params = [], set(), [], []
+    for e in range(E):
+        nodes = members[e]
+        own = set(nodes)
+        ext = [a for n in nodes for a in n.all_input_nodes if a not in own]
+        ps = list(dict.fromkeys(a for a in ext if a.op == "placeholder"))
+        xs.update(a for a in ext if a.op != "placeholder")
+        outs = _outputs(own)
+        if len(outs) != 1:
+            raise NotRecognised(f"expert {e} has {len(outs)} outputs")
+        experts.append(nodes)
+        ys.append(outs[0])
+        params.append(ps)
+    if len(xs) != 1:
+        raise NotCandidate("its members do not all read the same one input")
+    x = xs.pop()
+    xv = _tensor(x)
+    if xv is None or xv.dim() != 2:
+        raise NotRecognised("its experts' input is not token rows [T, h]")
+    T = xv.shape[0]
+    shape0 = [(n.target, tuple(_tensor(n).shape) if _tensor(n) is not None else None) for n in experts[0]]
+    for e in range(1, E):
+        if [(n.target, tuple(_tensor(n).shape) if _tensor(n) is not None else None) for n in experts[e]] != shape0 or \
+                [tuple(_tensor(p).shape) for p in params[e]] != [tuple(_tensor(p).shape) for p in params[0]]:
+            raise NotRecognised(f"expert {e} is not computed like expert 0")
+    weights, muls = [], []
+    for e, y in enumerate(ys):
+        m, w = _only_user(y, aten.mul.Tensor, f"expert {e}'s output is not multiplied by one weight")
+        wv = _tensor(w)
+        if wv is None or wv.shape[0] != T or wv.numel() != T:
+            raise NotRecognised(f"expert {e}'s output is not weighted per token")
+        weights.append(w)
+        muls.append(m)
+    # the products are summed in expert order: acc = init + m_0 + m_1 + ...
+    adds, acc, init = [], None, None
+    for e, m in enumerate(muls):
+        a, other = _only_user(m, aten.add.Tensor, f"expert {e}'s weighted output is not summed with the others")
+        if e == 0:
+            init = other
+        elif other is not acc and not (e == 1 and a is acc):
+            raise NotRecognised("the weighted outputs are not summed one expert after the other")
+        if not (e == 1 and a is acc):
+            adds.append(a)
+        acc = a
+    nodes = {n for ex in experts for n in ex} | set(muls) | set(adds)
+    if init is muls[1] if len(muls) > 1 else False:
+        init = None  # acc = m_0 + m_1 + ...
+    elif init is not None and init.target in (aten.zeros_like.default,) and len(init.users) == 1:
+        nodes.add(init)
+    elif init is not None and init.op != "placeholder":
+        raise NotRecognised("the sum of the weighted outputs does not start from zeros")
+    out = acc
+    atom = info.table.new(E, f"{parent}:{EXPERTS}")
+    return ExpertRegion(parent, "looped", frozenset(nodes), out, x, E, (atom,), list(experts[0]), ys[0],
+                        weights=weights, expert_params=params, init=init)
+
+
+def _only_user(node, target, why):
+    """(the one user of ``node``, which must call ``target`` on two operands; its other operand)."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target != target:
+        raise NotRecognised(why)
+    u = users[0]
+    return u, (u.args[1] if u.args[0] is node else u.args[0])
+
+
+# ---- placements ---------------------------------------------------------------------------------
+
+def experts_axis(region: ExpertRegion, layout, mesh) -> Optional[str]:
+    """The mesh axis that places ``region``'s experts (None: every rank has every expert)."""
+    axes = [a for a in mesh.names if any(region.experts_atoms[:len(u)] == u for u in layout.units[a])]
+    if len(axes) > 1:
+        raise LayoutError(f"the experts of '{region.module}' are split on mesh axes {axes}; place them on one axis")
+    return axes[0] if axes else None
+
+
+def owned_placements(regions, places: dict, layout, mesh) -> dict:
+    """{placeholder name: placement} of every looped expert's parameters: ``Owned(i)`` on the
+    experts' axis (i: the index holding that expert), the layout's placement elsewhere."""
+    out = {}
+    for r in regions:
+        ep = experts_axis(r, layout, mesh) if r.form == "looped" else None
+        if ep is None:
+            continue
+        per = r.num_experts // mesh.axes[ep]
+        for e, ps in enumerate(r.expert_params):
+            for p in ps:
+                out[p.name] = tuple(Owned(e // per) if a == ep else o for o, a in zip(places[p.name], mesh.names))
+    return out
+
+
+def region_nodes(regions) -> dict:
+    """{node: region} for every node a region replaces."""
+    return {n: r for r in regions for n in r.nodes}
+
+
+# ---- the per-rank program of a region -----------------------------------------------------------
+
+@dataclass
+class RegionPlan:
+    """How a region runs on the mesh (for the plan, the cost model and tests)."""
+
+    region: ExpertRegion
+    experts_axis: Optional[str]  # None: every rank computes every expert (replicated experts)
+    token_axes: tuple  # mesh axes splitting the region's tokens, in mesh order
+    tokens: int  # tokens per rank
+    pairs: int  # expected (token, expert) pairs per rank: tokens x choices per token
+    local_experts: int
+    row_bytes: int  # bytes of one token row
+    tags: dict = field(default_factory=dict)  # "route" | "dispatch" | "combine" | "capacity" -> tag
+
+
+def lowerings(regions, plans: list) -> dict:
+    """{node: visitor} for the rewriter (``spmd.rewrite(regions=...)``): the nodes of each
+    region are replaced by its per-rank program, written when the rewriter reaches the region's
+    output; ``plans`` receives each region's :class:`RegionPlan`."""
+    out = {}
+    for r in regions:
+        def visit(rw, node, r=r):
+            if node is r.output:
+                plans.append(_lower(rw, r))
+        out.update({n: visit for n in r.nodes})
+    return out
+
+
+def _pairs_per_token(r: ExpertRegion) -> int:
+    if r.form == "grouped":
+        return r.top_k
+    for n in _closure([r.weights[0]], {m for m in r.weights[0].graph.nodes}, forward=False):
+        if n.target == aten.topk.default:
+            return int(n.args[1])
+    return 1
+
+
+def _lower(rw, r: ExpertRegion) -> RegionPlan:
+    mesh, axes = rw.mesh, rw.axes
+    ep = experts_axis(r, rw.layout, mesh)
+    hidden_place = rw.place[r.hidden][0]
+    token_axes = [a for a, o in zip(axes, hidden_place) if isinstance(o, Shard) and o.dim == 0]
+    if ep is not None and ep not in token_axes:
+        token_axes.append(ep)  # the batch is whole on ep: each index takes a slice of the tokens
+    token_axes = tuple(sorted(token_axes, key=axes.index))
+    T, h = _tensor(r.hidden).shape
+    degree = math.prod(mesh.axes[a] for a in token_axes)
+    if T % degree:
+        raise LayoutError(f"MoE layer '{r.module}' has {T} tokens, which mesh axes {list(token_axes)} (together "
+                          f"{degree} ranks) cannot split evenly")
+    tok = tuple(Shard(0) if a in token_axes else R for a in axes)
+    El = r.num_experts // (mesh.axes[ep] if ep else 1)
+    Tl = T // degree
+    plan = RegionPlan(r, ep, token_axes, Tl, Tl * _pairs_per_token(r), El,
+                      h * _tensor(r.hidden).element_size())
+    why_tokens = (f"MoE layer '{r.module}' routes each rank's own tokens"
+                  + (f" (split on {', '.join(token_axes)})" if token_axes else ""))
+    stack = r.output.meta.get("nn_module_stack")
+    trace = r.output.meta.get("stack_trace")
+
+    def call(fn, *args, val=None, **kwargs):
+        n = rw.g.call_function(fn, args, kwargs)
+        n.meta.update(val=val, nn_module_stack=stack, stack_trace=trace)
+        return n
+
+    def new_tag(name):
+        plan.tags[name] = rw.tag
+        rw.tag += 1
+        return plan.tags[name]
+
+    def meta(shape, like):
+        return torch.empty(shape, dtype=like.dtype, device="meta")
+
+    x = rw.convert(r.hidden, 0, tok, set(), r.output, why_tokens)
+    cap = r.capacity_factor
+    t_cap = new_tag("capacity") if cap is not None and token_axes else None
+    if r.form == "grouped":
+        idx = rw.convert(r.top_k_index, 0, tok, set(), r.output, why_tokens)
+        weights = rw.convert(r.top_k_weights, 0, tok, set(), r.output, why_tokens)
+        pairs = call(X.assign_topk, idx, r.num_experts, cap, token_axes, t_cap)
+    else:
+        weights = [rw.convert(w, 0, tuple(Shard(0) if a in token_axes else R for a in axes), set(), r.output,
+                              why_tokens) for w in r.weights]
+        pairs = call(X.assign_dense, weights, cap, token_axes, t_cap)
+    hv = _tensor(r.hidden)
+    rows = call(X.pair_rows, x, pairs, val=meta((plan.pairs, h), hv))
+    t_route = new_tag("route")
+    route = call(X.exchange_counts, pairs, ep, t_route)
+    t_dispatch = new_tag("dispatch")
+    mine = call(X.dispatch_rows, rows, route, t_dispatch, val=meta((plan.pairs, h), hv))
+    if r.form == "grouped":
+        env = {r.rows: mine, r.offsets: call(X.expert_offsets, route, _tensor(r.offsets).dtype,
+                                              val=meta((El,), _tensor(r.offsets)))}
+        for p in r.params:
+            target = rw.desired(p)
+            varying = {a for a, o in zip(axes, target) if a in token_axes and not isinstance(o, Shard)}
+            env[p] = rw.convert(p, 0, target, varying, r.output, why_tokens)
+        out_rows = _copy_body(rw, r, r.body, env, plan.pairs, El)
+    else:
+        segments = call(X.expert_segments, mine, route)
+        per_slot = []
+        for j in range(El):
+            env = {r.hidden: call(operator.getitem, segments, j, val=meta((max(plan.pairs // El, 0), h), hv))}
+            for k, p0 in enumerate(r.expert_params[0]):
+                group = [r.expert_params[e][k] for e in range(r.num_experts)]
+                env[p0] = _slot_param(rw, r, group, ep, j, token_axes, call, why_tokens)
+            per_slot.append(_copy_body(rw, r, r.body, env, plan.pairs // El, El))
+        out_rows = call(aten.cat.default, per_slot, 0, val=meta((plan.pairs,) + tuple(_tensor(r.body_out).shape[1:]),
+                                                               _tensor(r.body_out)))
+    t_combine = new_tag("combine")
+    back = call(X.combine_rows, out_rows, route, t_combine, val=meta((plan.pairs, h), hv))
+    out_val = meta((Tl,) + tuple(_tensor(r.output).shape[1:]), _tensor(r.output))
+    if r.form == "grouped":
+        out = call(X.combine_topk, back, pairs, weights, val=out_val)
+    else:
+        if r.init is None:
+            init = call(aten.zeros_like.default, x, val=out_val)
+        elif r.init in r.nodes:
+            init = call(r.init.target, x, *r.init.args[1:], val=out_val, **r.init.kwargs)
+        else:
+            init = rw.convert(r.init, 0, tok, set(), r.output, why_tokens)
+        out = call(X.combine_dense, back, pairs, weights, init, val=out_val)
+    rw.local[r.output] = out
+    rw.place[r.output] = [tok]
+    _records(rw, plan)
+    return plan
+
+
+def _slot_param(rw, r, group, ep, slot, token_axes, call, why):
+    """The parameter of this rank's ``slot``-th expert (one per expert in ``group``)."""
+    p = group[slot]
+    if ep is None:
+        target = rw.desired(p)
+        varying = {a for a in token_axes}
+        return rw.convert(p, 0, target, varying, r.output, why)
+    q = call(X.owned, tuple(rw.local[g] for g in group), ep, slot, val=rw.local[p].meta.get("val"))
+    for a in token_axes:
+        if a == ep:
+            continue
+        q = rw.emit(C.mark_varying, q, a, (), p, r.output, why, R, R)
+        tag = q.meta["autoshard"]["tag"]
+        why_q = (f"this rank's expert {slot} of '{r.module}' (like {rw.display.get(p.name, p.name)}) feeds per-rank "
+                 f"work on {a}: backward sums its gradient over the replicas of that expert")
+        q.meta["autoshard"]["why"] = why_q
+        for c in rw.collectives:
+            if c.tag == tag:
+                c.why = why_q
+    return q
+
+
+def _copy_body(rw, r, body, env, rows: int, local_experts: int):
+    """Copy ``body`` into the per-rank graph reading ``env``; returns the copy of the body's output.
+    Meta values get this rank's shapes: ``rows`` token rows, ``local_experts`` experts."""
+    row_nodes = set()
+    for n in body:
+        new = rw.g.node_copy(n, lambda a: env[a])
+        is_row = r.form == "looped" or any(a is r.rows or a in row_nodes for a in n.all_input_nodes)
+        if is_row:
+            row_nodes.add(n)
+        new.meta = dict(n.meta)
+        new.meta["val"] = _local_val(rw.info, r, n, rows if is_row else None, local_experts)
+        env[n] = new
+    return env[r.body_out]
+
+
+def _local_val(info, r, n, rows, local_experts):
+    """Meta value of a copied body node on one rank: ``rows`` token rows in dim 0 (row nodes),
+    the experts dim cut to ``local_experts`` (parameter-side nodes)."""
+    def one(v, k):
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = list(v.shape)
+        if rows is not None and shape:
+            shape[0] = rows
+        elif n in info.dims and k < len(info.dims[n]):
+            for d, atoms in enumerate(info.dims[n][k]):
+                if atoms and info.leaves(atoms)[:len(r.experts_atoms)] == r.experts_atoms:
+                    shape[d] = shape[d] * local_experts // r.num_experts
+        return torch.empty(shape, dtype=v.dtype, device="meta")
+    val = n.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return type(val)(one(v, k) for k, v in enumerate(val))
+    return one(val, 0)
+
+
+def _records(rw, plan: RegionPlan) -> None:
+    """The region's collectives, with the bytes of a balanced routing (``pairs`` rows per rank)."""
+    r, ep = plan.region, plan.experts_axis
+    where, line, node = r.module, source_line(r.output), r.output.name
+    count_bytes = r.num_experts * 8
+    if plan.tags.get("capacity") is not None:
+        for a in plan.token_axes:
+            rw.collectives.append(Collective(
+                "all_gather", (a,), count_bytes, "forward", where,
+                f"capacity of MoE layer '{r.module}': rows per expert of the ranks holding earlier tokens, so every "
+                f"rank drops the same pairs as one device would", node, line, plan.tags["capacity"], "assign"))
+    if ep is None:
+        return
+    n = rw.mesh.axes[ep]
+    rows = plan.pairs * plan.row_bytes
+    per_expert = plan.pairs * n / r.num_experts
+    rw.collectives.append(Collective(
+        "all_to_all", (ep,), count_bytes, "forward", where,
+        f"count exchange of MoE layer '{r.module}': rows each rank sends to each expert on {ep}, so every rank "
+        f"knows how many rows it receives", node, line, plan.tags["route"], "exchange_counts"))
+    dispatch = (f"dispatch of MoE layer '{r.module}': token rows to the ranks of their experts on {ep} "
+                f"({plan.local_experts} experts per rank; balanced routing: {per_expert:g} rows per expert)")
+    combine = f"combine of MoE layer '{r.module}': expert outputs back to the ranks of their tokens on {ep}"
+    for phase, prefix in (("forward", ""), ("backward", "adjoint: ")):
+        rw.collectives.append(Collective("all_to_all", (ep,), rows, phase, where, prefix + dispatch, node, line,
+                                         plan.tags["dispatch"], "dispatch_rows"))
+        rw.collectives.append(Collective("all_to_all", (ep,), rows, phase, where, prefix + combine, node, line,
+                                         plan.tags["combine"], "combine_rows"))

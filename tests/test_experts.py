@@ -1,0 +1,272 @@
+"""Expert parallelism: MoE layers with dispatch / combine all-to-alls, against the unsharded model.
+
+The project's MoE example in both shapes (stacked experts with grouped matmuls; a ModuleList of
+expert MLPs) and Hugging Face's Mixtral and OLMoE built tiny from their configs; skewed routing,
+an expert nobody chooses, the capacity policy against an independent reference, training steps.
+"""
+import collections
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Mesh
+from autoshard.cost import tokens_per_expert
+from autoshard.runtime import run_simulated
+from autoshard.runtime import experts as X
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from examples.models import moe_tiny  # noqa: E402
+from exactness import assert_exact  # noqa: E402
+from test_training import reference_train  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# --------------------------------------------------------------------------- runtime
+
+def _route_and_back(rank, x, idx, w, num_experts, capacity=None):
+    """One MoE layer by hand on this rank: the runtime pieces around a grouped matmul."""
+    xr = x[rank].clone().requires_grad_()
+    pairs = X.assign_topk(idx[rank], num_experts, capacity, ("ep",))
+    route = X.exchange_counts(pairs, "ep")
+    mine = X.dispatch_rows(X.pair_rows(xr, pairs), route)
+    per = num_experts // 2
+    out = X.grouped_mm(mine, w[rank * per:(rank + 1) * per], X.expert_offsets(route))
+    y = X.combine_topk(X.combine_rows(out, route), pairs, torch.ones(idx.shape[1:]))
+    y.backward(torch.ones_like(y))
+    return y.detach(), xr.grad, route.send_splits, route.recv_splits, route.expert_counts
+
+
+def _by_hand(x, idx, w, keep=None):
+    """out[t] = sum_j x[t] @ w[idx[t, j]] over kept choices, and d sum(out) / dx."""
+    x = x.clone().requires_grad_()
+    T, k = idx.shape
+    y = torch.stack([sum((x[t] @ w[idx[t, j]]) * (1.0 if keep is None else float(keep[t][j]))
+                         for j in range(k)) for t in range(T)])
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad
+
+
+def test_dispatch_combine_skewed_and_empty():
+    """Rank 0's tokens all go to rank 1's experts and rank 1's all to expert 0: one rank sends
+    nothing to itself, experts 1 and 3 get no row, and outputs and gradients are exact."""
+    torch.manual_seed(0)
+    T, k, E, h = 6, 2, 4, 3
+    x, w = torch.randn(2, T, h), torch.randn(E, h, h)
+    idx = torch.stack([torch.full((T, k), 2), torch.zeros(T, k, dtype=torch.long)])
+    results = run_simulated(Mesh({"ep": 2}), lambda r: _route_and_back(r, x, idx, w, E))
+    assert [r[2] for r in results] == [[0, 12], [12, 0]]  # send splits
+    assert [r[4] for r in results] == [[12, 0], [12, 0]]  # rows per local expert after dispatch
+    for rank, (y, dx, *_rest) in enumerate(results):
+        ref_y, ref_dx = _by_hand(x[rank], idx[rank], w)
+        torch.testing.assert_close(y, ref_y, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(dx, ref_dx, rtol=RTOL, atol=ATOL)
+
+
+def test_capacity_drops_in_global_token_order():
+    """Capacity C = ceil(cf * pairs / E) per expert over the whole batch, served in token order:
+    rank 1's tokens come after rank 0's, so they are the ones dropped; the result equals a
+    one-device computation that drops the same pairs, and the dropped pairs are exactly those
+    past the capacity in that order."""
+    torch.manual_seed(1)
+    T, k, E, h = 5, 2, 4, 3
+    x, w = torch.randn(2, T, h), torch.randn(E, h, h)
+    idx = torch.randint(0, E, (2, T, k))
+    idx[:, :, 1] = (idx[:, :, 0] + 1) % E  # two distinct choices per token
+    cf = 0.6
+    results = run_simulated(Mesh({"ep": 2}), lambda r: _route_and_back(r, x, idx, w, E, cf))
+    capacity = math.ceil(cf * 2 * T * k / E)
+    taken = collections.Counter()
+    keep = [[[False] * k for _ in range(T)] for _ in range(2)]
+    for rank in range(2):  # the documented policy, written out: batch order, then choice order
+        for t in range(T):
+            for j in range(k):
+                e = int(idx[rank, t, j])
+                keep[rank][t][j] = taken[e] < capacity
+                taken[e] += 1
+    assert 0 < sum(not kj for kr in keep for kt in kr for kj in kt) < 2 * T * k  # some dropped, not all
+    for rank, (y, dx, *_rest) in enumerate(results):
+        ref_y, ref_dx = _by_hand(x[rank], idx[rank], w, keep[rank])
+        torch.testing.assert_close(y, ref_y, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(dx, ref_dx, rtol=RTOL, atol=ATOL)
+    # the same pairs survive on one device holding the whole batch
+    whole = set(X.assign_topk(idx.reshape(2 * T, k), E, cf).order.tolist())
+    split = run_simulated(Mesh({"ep": 2}), lambda r: X.assign_topk(idx[r], E, cf, ("ep",)).order.tolist())
+    assert whole == {o + r * T * k for r in range(2) for o in split[r]}
+    assert whole == {(r * T + t) * k + j for r in range(2) for t in range(T) for j in range(k) if keep[r][t][j]}
+
+
+def test_seed_tokens_per_expert():
+    """Seed 003, §13.7.2: 64 experts, top-2 routing, 256 tokens -> 8 rows per expert."""
+    assert tokens_per_expert(256, 2, 64) == 8
+
+
+# --------------------------------------------------------------------------- the example model
+
+def _moe_all_to_alls(plan):
+    return collections.Counter((c.phase, c.kind, c.axes, c.op) for c in plan.collectives if c.kind == "all_to_all")
+
+
+@pytest.mark.parametrize("experts,mesh,layout", [
+    ("grouped", {"ep": 2}, {"batch": "ep", "experts": "ep"}),
+    ("looped", {"ep": 4}, {"batch": "ep", "experts": "ep"}),
+    ("grouped", {"dp": 2, "ep": 2}, {"batch": "dp", "experts": "ep"}),            # ep on its own axis
+    ("looped", {"dp": 2, "ep": 2}, {"batch": ("dp", "ep"), "experts": "ep"}),    # ep on the data axis
+    ("grouped", {"ep": 2, "tp": 2}, {"batch": "ep", "experts": "ep", "heads": "tp"}),
+], ids=["grouped-ep2", "looped-ep4", "grouped-dp2xep2-own", "looped-dp2xep2-data", "grouped-ep2xtp2"])
+def test_example_is_exact(experts, mesh, layout):
+    model, args, dims = moe_tiny(experts=experts, with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=dims, layout=layout)
+    assert_exact(plan, model, args)
+    # per MoE layer: the count exchange, dispatch and combine forward; their two adjoints backward
+    # (with ep on its own axis, each index also takes a slice of the tokens and the layer's
+    # output is gathered where the residual stream needs it whole)
+    layers = model.config.num_layers
+    assert _moe_all_to_alls(plan) == {
+        ("forward", "all_to_all", ("ep",), "exchange_counts"): layers,
+        ("forward", "all_to_all", ("ep",), "dispatch_rows"): layers,
+        ("forward", "all_to_all", ("ep",), "combine_rows"): layers,
+        ("backward", "all_to_all", ("ep",), "dispatch_rows"): layers,
+        ("backward", "all_to_all", ("ep",), "combine_rows"): layers}
+    # what ran is what the plan lists, on every rank (kinds, axes, phases)
+    listed = collections.Counter((c.kind, c.axes[0], c.phase) for c in plan.collectives)
+    for trace in plan.last_trace:
+        assert collections.Counter((r.kind, r.axis, r.phase) for r in trace) == listed
+    # no expert output is all-reduced; expert gradients are summed only over replicas of the
+    # same expert (never over ep); each rank holds only its experts
+    in_experts = [c for c in plan.collectives if c.kind == "all_reduce" and "experts" in c.where]
+    assert all(c.phase == "backward" and c.axes != ("ep",) and c.op == "mark_varying" for c in in_experts)
+    ep = mesh["ep"]
+    held = [n for n in model.state_dict() if ".experts." in n]
+    assert held
+    for name in held:
+        place = plan.placement_of(name)
+        assert str(place[list(mesh).index("ep")]) in ({"S(0)"} if experts == "grouped" else
+                                                      {f"O({i})" for i in range(ep)}), (name, place)
+
+
+def test_skewed_routing_and_unused_experts_are_exact():
+    """A router that sends every token to experts 2 and 3 (both on ep index 1): index 0's experts
+    get no row, index 1 gets every row; dp=2 x ep=2 still equals one device."""
+    model, args, dims = moe_tiny(experts="grouped", with_labels=True)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.gate.weight.zero_()  # equal logits: topk picks experts 2 and 3 (CPU tie order)
+    chosen = torch.topk(torch.full((3, 4), 0.25), 2).indices
+    assert set(chosen.unique().tolist()) <= {2, 3}
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=dims,
+                               layout={"batch": ("dp", "ep"), "experts": "ep"})
+    assert_exact(plan, model, args)
+
+
+def test_looped_experts_train_exactly_with_ep_on_the_data_axis():
+    model, args, dims = moe_tiny(experts="looped", with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=dims,
+                               layout={"batch": ("dp", "ep"), "experts": "ep"}, train=True)
+    _train_exactly(plan, model, args)
+    # each rank stores its own experts only: what it holds is what the plan predicts
+    held = run_simulated(plan.mesh, lambda rank: plan.build(rank).held_bytes()["params"])
+    expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert held == [plan.state_bytes()["params"]] * 4 == [total - expert_bytes // 2] * 4
+
+
+def _train_exactly(plan, model, args, steps=3):
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, [args] * steps, make)
+    losses, params = plan.simulate_train([args] * steps, optimizer=make)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_capacity_factor_matches_a_reference_dropping_the_same_pairs():
+    """moe={"capacity_factor": 0.75} on ep=2 equals the model whose experts apply the documented
+    policy on one device (written here independently, pair by pair)."""
+    model, args, dims = moe_tiny(experts="grouped", with_labels=True)
+    cf = 0.75
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"ep": 2}), dims=dims,
+                               layout={"batch": "ep", "experts": "ep"}, moe={"capacity_factor": cf})
+    ref = copy.deepcopy(model)
+    dropped = []
+    for layer in ref.layers:
+        layer.mlp.experts.forward = _capacity_reference(layer.mlp.experts, cf, dropped)
+    assert_exact(plan, ref, args)
+    assert any(dropped)
+
+
+def _capacity_reference(experts, cf, dropped):
+    def forward(hidden, top_k_index, top_k_weights):
+        T, k = top_k_index.shape
+        E = experts.num_experts
+        capacity = math.ceil(cf * T * k / E)
+        taken = collections.Counter()
+        out = torch.zeros_like(hidden)
+        n_dropped = 0
+        for t in range(T):
+            for j in range(k):
+                e = int(top_k_index[t, j])
+                taken[e] += 1
+                if taken[e] > capacity:
+                    n_dropped += 1
+                    continue
+                x = hidden[t]
+                y = (torch.nn.functional.silu(x @ experts.gate_proj[e].T) * (x @ experts.up_proj[e].T)) @ experts.down_proj[e].T
+                out = out.index_add(0, torch.tensor([t]), (y * top_k_weights[t, j])[None])
+        dropped.append(n_dropped)
+        return out
+    return forward
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    if name == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
+    return _Loss(model.eval()), (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+HF_DIMS = {"input_ids": "batch seq", "*.q_proj.weight": "heads hidden", "*.k_proj.weight": "kv_heads hidden",
+           "*.v_proj.weight": "kv_heads hidden", "*.o_proj.weight": "hidden heads"}
+
+
+@pytest.mark.parametrize("name,mesh,layout", [
+    ("mixtral", {"ep": 2}, {"batch": "ep", "experts": "ep"}),
+    ("olmoe", {"ep": 4}, {"batch": "ep", "experts": "ep"}),
+    ("mixtral", {"ep": 2, "tp": 2}, {"batch": "ep", "experts": "ep", "heads": "tp", "kv_heads": "tp"}),
+], ids=["mixtral-ep2", "olmoe-ep4", "mixtral-ep2xtp2"])
+def test_hugging_face_moe_is_exact(name, mesh, layout):
+    model, args = _hf(name)
+    plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=HF_DIMS, layout=layout)
+    assert len(plan.program.experts) == 2 and {p.region.form for p in plan.program.experts} == {"grouped"}
+    assert_exact(plan, model, args)
+    assert _moe_all_to_alls(plan)[("forward", "all_to_all", ("ep",), "dispatch_rows")] == 2
+
+
+def test_hugging_face_mixtral_trains_exactly_with_ep_on_its_own_axis():
+    model, args = _hf("mixtral")
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=HF_DIMS,
+                               layout={"batch": "dp", "experts": "ep"}, train=True)
+    _train_exactly(plan, model, args)
