@@ -17,7 +17,9 @@ Example::
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -30,6 +32,8 @@ from .runtime.context import current
 from .runtime.local import ShardedOptimizer
 from .runtime.pipeline import PipelineRank, PipelineSpec, split_microbatches
 from .runtime.schedules import SCHEDULES, make_schedule
+from autoshard.cost.model import resolve_cost_model
+from autoshard.cost.pipeline import bubble, chrome_trace, schedule_timeline, stage_seconds
 from autoshard.passes.pipeline import cut_candidates, even_cuts, split_program
 from autoshard.passes.spmd import LayoutError
 
@@ -58,7 +62,7 @@ class PipelinePlan(Plan):
     microbatches: int = 1
     virtual: int = 1
     action_lists: list = field(default_factory=list)  # per pipeline rank
-    last_timeline: dict = field(default_factory=dict)  # rank -> [(action, start, end)] of the last run
+    last_timeline: dict = field(default_factory=dict)  # rank -> [(action, start, end)] of the last simulated step
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -136,7 +140,7 @@ class PipelinePlan(Plan):
             grads = {pipe.local.fqn_of[n]: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
                      for n, p in pipe.local.named_parameters() if p.requires_grad} if train and opt is None else {}
             return (losses, pipe.outputs, grads, pipe.local.full_parameters(), list(current().trace),
-                    list(pipe.timeline))
+                    pipe.measured())
 
         results = run_simulated(self.mesh, rank_fn)
         self.last_trace = [r[4] for r in results]
@@ -217,6 +221,75 @@ class PipelinePlan(Plan):
         losses = [float(x) for x in results[holder][0]]
         return losses, self.assemble_params([r[3] for r in results])
 
+    # ------------------------------------------------------------------ timelines
+    def stage_times(self) -> list:
+        """Predicted seconds per stage: ``[(forward, input-gradient backward, weight-gradient
+        backward)]`` (the cost model's op times of the stage program; each backward half costs
+        about one forward, so an unsplit backward costs two)."""
+        cm = self.cost_model or resolve_cost_model(None)
+        return [(f, f, f) for f in (stage_seconds(s.forward, cm) for s in self.pipe.stages)]
+
+    def transfer_seconds(self) -> list:
+        """Predicted seconds of one microbatch's boundary message after each stage (all its
+        values, on the pipeline axis's link: latency + bytes / bandwidth)."""
+        cm = self.cost_model or resolve_cost_model(None)
+        link = cm.hardware.link_for_axes(self.mesh.axes, (self.axis,))
+        out = []
+        for st in self.pipe.stages[:-1]:
+            nbytes = sum(torch.Size(b.shape).numel() * b.dtype.itemsize for b in st.send)
+            out.append(link.latency + nbytes / link.effective_bandwidth if nbytes else 0.0)
+        return out
+
+    def predicted_timeline(self, transfers: bool = True) -> dict:
+        """``{pp rank: [(action, start s, end s)]}``: the schedule run with the predicted stage
+        and transfer times (:func:`autoshard.cost.pipeline.schedule_timeline`).
+
+        Example::
+
+            tl = plan.predicted_timeline()
+            autoshard.cost.pipeline.bubble(tl)      # idle fraction of the step
+        """
+        times = self.stage_times()
+        hops = self.transfer_seconds() if transfers else [0.0] * (len(times) - 1)
+        return schedule_timeline(self.action_lists, lambda a: times[a.stage]["FBW".index(a.kind)],
+                                 lambda stage: hops[stage])
+
+    @property
+    def bubble(self) -> float:
+        """Predicted idle fraction of one step (fill, drain and transfer waits)."""
+        return bubble(self.predicted_timeline())
+
+    def timeline(self, path, measured=None) -> dict:
+        """Write a Chrome / Perfetto trace JSON (chrome://tracing, ui.perfetto.dev) of the
+        predicted schedule, one row per pipeline rank, to ``path``.
+
+        With ``measured`` (``True``: the last ``simulate*`` step; or ``{rank: [(action, start,
+        end)]}`` from each rank's ``pipe.measured()`` of a real run) the measured trace, one row
+        per rank with every action it ran, goes to ``path`` and the predicted one next to it
+        (``<stem>.predicted.json``). Returns ``{"predicted": path, "measured": path}``.
+
+        Example::
+
+            plan.simulate_grads(*args)
+            plan.timeline("t.json", measured=True)   # t.json (measured), t.predicted.json
+        """
+        path = Path(path)
+        written = {}
+        pred_path = path if measured is None else path.with_name(path.stem + ".predicted.json")
+        pp = self.mesh.axes[self.axis]
+        pred = chrome_trace(self.predicted_timeline(), {r: f"{self.axis} rank {r} (predicted)" for r in range(pp)})
+        pred_path.write_text(json.dumps(pred))
+        written["predicted"] = str(pred_path)
+        if measured is not None:
+            rows = self.last_timeline if measured is True else measured
+            if not rows:
+                raise ValueError("plan.timeline(measured=True) needs a step first: run plan.simulate_grads or "
+                                 "simulate_train, or pass {rank: pipe.measured()} from a real run")
+            names = {r: f"rank {r} ({self.axis} {self.mesh.coords(r)[self.axis]})" for r in rows}
+            path.write_text(json.dumps(chrome_trace(rows, names)))
+            written["measured"] = str(path)
+        return written
+
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
         base = super().__str__()
@@ -225,7 +298,8 @@ class PipelinePlan(Plan):
                                         "send bytes/mb"])
         pp = self.mesh.axes[self.axis]
         head = (f"Pipeline on {self.axis}={pp}: {len(self.pipe.stages)} stages (virtual={self.virtual}), "
-                f"{self.schedule_name}, {self.microbatches} microbatches per step; cuts at {self.pipe.cuts}")
+                f"{self.schedule_name}, {self.microbatches} microbatches per step; cuts at {self.pipe.cuts}; "
+                f"predicted bubble {self.bubble:.1%}")
         rows = [[c.phase, c.kind, c.bytes, c.where, c.why] for c in self.pipe.collectives]
         transfers = tabulate(rows, headers=["phase", "kind", "bytes/rank", "module", "why"]) if rows else "none"
         return base + "\n\n" + head + "\n" + table + f"\n\nPipeline transfers ({len(rows)})\n" + transfers

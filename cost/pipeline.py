@@ -18,7 +18,7 @@ Example::
 """
 from __future__ import annotations
 
-__all__ = ["bubble_fraction", "bubble_overhead"]
+__all__ = ["bubble_fraction", "bubble_overhead", "schedule_timeline", "bubble", "stage_seconds", "chrome_trace"]
 
 
 def _check(stages, microbatches, virtual) -> None:
@@ -48,3 +48,97 @@ def bubble_overhead(stages: int, microbatches: int, virtual: int = 1) -> float:
     """
     _check(stages, microbatches, virtual)
     return (stages - 1) / (virtual * microbatches)
+
+
+# ---------------------------------------------------------------------------- schedule timeline
+
+def schedule_timeline(actions: list, times, transfer=0.0) -> dict:
+    """Predicted start and end of every action of a schedule: each rank runs its list in
+    order, an action starts when its rank is free and its dependencies (the previous stage's
+    forward, the next stage's backward, its own forward / input-gradient backward) have ended
+    plus ``transfer`` seconds when they ran on another rank.
+
+    ``actions``: per pipeline rank, the ordered ``Action`` lists of
+    :mod:`autoshard.runtime.schedules`; ``times(action) -> seconds`` (or a dict {"F": s, "B": s,
+    "W": s} for equal stages); ``transfer``: seconds per boundary message, a number or
+    ``transfer(stage) -> seconds`` for the boundary after ``stage``.
+    Returns ``{rank: [(action, start, end)]}``.
+
+    >>> from autoshard.runtime.schedules import make_schedule
+    >>> tl = schedule_timeline(make_schedule("gpipe", 4, 8), {"F": 1.0, "B": 2.0})
+    >>> round(bubble(tl), 4)      # (K-1)/(M+K-1) = 3/11
+    0.2727
+    """
+    from autoshard.runtime.schedules import Action, dependencies, stage_rank
+
+    pp = len(actions)
+    stages = 1 + max(a.stage for acts in actions for a in acts)
+    split = any(a.kind == "W" for acts in actions for a in acts)
+    cost = times if callable(times) else (lambda a: times.get(a.kind, 0.0))
+    hop = transfer if callable(transfer) else (lambda stage: transfer)
+    if not split:
+        # an unsplit backward also computes the weight gradients
+        base = cost
+        cost = lambda a: base(a) + (base(Action("W", a.mb, a.stage)) if a.kind == "B" else 0.0)  # noqa: E731
+    end: dict = {}
+    out = {r: [] for r in range(pp)}
+    pos, clock = [0] * pp, [0.0] * pp
+    while any(pos[r] < len(actions[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                deps = dependencies(a, stages, split)
+                if any(d not in end for d in deps):
+                    break
+                start = clock[r]
+                for d in deps:
+                    far = stage_rank(d.stage, pp) != r
+                    start = max(start, end[d] + (hop(min(d.stage, a.stage)) if far else 0.0))
+                end[a] = start + cost(a)
+                clock[r] = end[a]
+                out[r].append((a, start, end[a]))
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("schedule deadlocks; check it with autoshard.runtime.schedules.check_schedule")
+    return out
+
+
+def bubble(timeline: dict) -> float:
+    """Idle fraction of a timeline: ``1 - busy / (ranks * makespan)``, the makespan measured
+    from the earliest start to the latest end over all ranks."""
+    rows = [row for row in timeline.values() if row]
+    t0 = min(s for row in rows for _, s, _ in row)
+    t1 = max(e for row in rows for _, _, e in row)
+    busy = sum(e - s for row in rows for _, s, e in row)
+    return 1.0 - busy / (len(rows) * (t1 - t0)) if t1 > t0 else 0.0
+
+
+def stage_seconds(stage_graph, cm) -> float:
+    """Predicted forward seconds of one stage program (an ``fx.GraphModule`` whose nodes carry
+    ``meta['val']``): the sum of the cost model's op times."""
+    from .model import op_seconds
+
+    total = 0.0
+    for n in stage_graph.graph.nodes:
+        if n.op != "call_function" or getattr(n.target, "__module__", "") == "autoshard.runtime.collectives":
+            continue
+        val = n.meta.get("val")
+        outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if hasattr(v, "shape")]
+        total += op_seconds(cm, n.target, n.args, n.kwargs, outs)
+    return total
+
+
+def chrome_trace(rows: dict, names: dict | None = None) -> dict:
+    """A Chrome / Perfetto trace (``{"traceEvents": [...]}``) of ``{row: [(action, start s,
+    end s)]}``: one thread per row (a rank), one complete event per action, in row order."""
+    events = []
+    t0 = min((s for items in rows.values() for _, s, _ in items), default=0.0)
+    for row, items in sorted(rows.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": row,
+                       "args": {"name": (names or {}).get(row, f"rank {row}")}})
+        for a, s, e in items:
+            events.append({"name": str(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": row, "ts": (s - t0) * 1e6,
+                           "dur": (e - s) * 1e6, "args": {"kind": a.kind, "mb": a.mb, "stage": a.stage}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -133,6 +133,7 @@ class PipelineRank:
                 last_of[(a.kind, a.stage)] = i
         self.final = set(last_of.values())  # backward actions that send the step's data-axis sums
         self.timeline: list = []  # (action, start s, end s) of the last step, from its start
+        self.started = 0.0  # wall-clock time (time.time()) of the last step's start
         self.outputs: dict = {}  # mb -> last stage's local outputs (on the last stage's ranks)
         self._state: dict = {}
 
@@ -156,7 +157,7 @@ class PipelineRank:
             norm = counts[0].clone()
             for c in counts[1:]:
                 norm = norm + c
-        t0 = time.perf_counter()
+        t0, self.started = time.perf_counter(), time.time()
         grad = torch.enable_grad() if train else torch.no_grad()
         with grad:
             for i, a in enumerate(self.actions):
@@ -178,6 +179,12 @@ class PipelineRank:
         for m in range(1, len(self._losses)):
             total = total + self._losses[m]
         return total if spec.normalizer is not None else total / spec.microbatches
+
+    def measured(self) -> list:
+        """The last step's actions as ``(action, start, end)`` in wall-clock seconds
+        (``time.time()``), comparable across the processes of one machine: what
+        ``plan.timeline(path, measured={rank: pipe.measured(), ...})`` takes."""
+        return [(a, self.started + s, self.started + e) for a, s, e in self.timeline]
 
     @contextlib.contextmanager
     def _deferred(self, ctx, defer: bool):
