@@ -78,7 +78,9 @@ def watch_autograd_functions():
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+        # torch.library custom ops with register_autograd dispatch through a generated Function;
+        # the op itself is one node of the graph, and its autograd formula stays with it
+        if not cls.__module__.startswith("torch._library") and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                            for a in list(args) + list(kwargs.values())):
             found.append((cls.__qualname__, _user_frame()))
         return original.__func__(cls, *args, **kwargs)
