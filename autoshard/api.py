@@ -174,7 +174,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                   train=train, timings=timings, zero_stage=stage, data_axes=axes)
     if pipe is not None:
         # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
-        plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe)
+        plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe,
+                               cost_model or _cost_model(hardware))
     else:
         plan = Plan(**fields)
     # for plan.cost / plan.alternatives / plan.explain()

@@ -33,8 +33,8 @@ from .runtime.local import ShardedOptimizer
 from .runtime.pipeline import PipelineRank, PipelineSpec, split_microbatches
 from .runtime.schedules import SCHEDULES, make_schedule
 from autoshard.cost.model import resolve_cost_model
-from autoshard.cost.pipeline import bubble, chrome_trace, schedule_timeline, stage_seconds
-from autoshard.passes.pipeline import cut_candidates, even_cuts, split_program
+from autoshard.cost.pipeline import bubble, choose_cuts, chrome_trace, schedule_timeline, stage_seconds, unit_seconds
+from autoshard.passes.pipeline import cut_candidates, cut_profile, even_cuts, split_program
 from autoshard.passes.spmd import LayoutError
 
 
@@ -375,8 +375,21 @@ def default_microbatches(args, kwargs, stages: int) -> int:
     return 1
 
 
-def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions) -> PipelinePlan:
-    """Cut ``plan``'s rewritten program into stages and attach the schedule."""
+def best_cuts(plan, axis: str, n_stages: int, cost_model=None) -> list:
+    """Module FQNs where stages 1.. begin: the cost model's best cuts of ``plan.program``
+    (slowest predicted stage first, then boundary bytes; see :func:`choose_cuts`).
+    ``axis`` names the pipeline axis (its link prices transfers in the predicted timeline)."""
+    cm = cost_model or resolve_cost_model(None)
+    prof = cut_profile(plan.program, plan.captured.inputs)
+    if sum(prof.allowed) < n_stages - 1:
+        even_cuts(cut_candidates(plan.program.graph_module.graph), n_stages)  # raises the error naming the blocks
+    units = unit_seconds(prof, cm)
+    return [prof.candidates[j] for j in choose_cuts(units, prof.cut_bytes, prof.allowed, n_stages)]
+
+
+def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions, cost_model=None) -> PipelinePlan:
+    """Cut ``plan``'s rewritten program into stages and attach the schedule. Cuts left to the
+    planner balance the stages' predicted times (:func:`autoshard.cost.pipeline.choose_cuts`)."""
     mesh = plan.mesh
     used = sorted(name for name, axes in plan.resolved.assignment.items() if opts.axis in axes)
     if used:
@@ -387,7 +400,7 @@ def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions) -> PipelinePlan:
     virtual = opts.virtual or (2 if schedule == "interleaved" else 1)
     n_stages = pp * virtual
     graph = plan.program.graph_module.graph
-    cuts = opts.cuts if opts.cuts is not None else even_cuts(cut_candidates(graph), n_stages)
+    cuts = opts.cuts if opts.cuts is not None else best_cuts(plan, opts.axis, n_stages, cost_model)
     if len(cuts) != n_stages - 1:
         raise LayoutError(f"pipeline cuts {cuts} make {len(cuts) + 1} stages; {opts.axis}={pp} with "
                           f"virtual={virtual} runs {n_stages}: give {n_stages - 1} cuts")

@@ -18,7 +18,14 @@ Example::
 """
 from __future__ import annotations
 
-__all__ = ["bubble_fraction", "bubble_overhead", "schedule_timeline", "bubble", "stage_seconds", "chrome_trace"]
+import math
+
+from autoshard.runtime.schedules import Action, dependencies, stage_rank
+
+from .model import op_seconds
+
+__all__ = ["bubble_fraction", "bubble_overhead", "schedule_timeline", "bubble", "stage_seconds", "chrome_trace",
+           "unit_seconds", "choose_cuts", "cut_key"]
 
 
 def _check(stages, microbatches, virtual) -> None:
@@ -69,8 +76,6 @@ def schedule_timeline(actions: list, times, transfer=0.0) -> dict:
     >>> round(bubble(tl), 4)      # (K-1)/(M+K-1) = 3/11
     0.2727
     """
-    from autoshard.runtime.schedules import Action, dependencies, stage_rank
-
     pp = len(actions)
     stages = 1 + max(a.stage for acts in actions for a in acts)
     split = any(a.kind == "W" for acts in actions for a in acts)
@@ -118,8 +123,6 @@ def bubble(timeline: dict) -> float:
 def stage_seconds(stage_graph, cm) -> float:
     """Predicted forward seconds of one stage program (an ``fx.GraphModule`` whose nodes carry
     ``meta['val']``): the sum of the cost model's op times."""
-    from .model import op_seconds
-
     total = 0.0
     for n in stage_graph.graph.nodes:
         if n.op != "call_function" or getattr(n.target, "__module__", "") == "autoshard.runtime.collectives":
@@ -142,3 +145,78 @@ def chrome_trace(rows: dict, names: dict | None = None) -> dict:
             events.append({"name": str(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": row, "ts": (s - t0) * 1e6,
                            "dur": (e - s) * 1e6, "args": {"kind": a.kind, "mb": a.mb, "stage": a.stage}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+# ---------------------------------------------------------------------------- cut search
+
+def unit_seconds(profile, cm) -> list:
+    """Predicted forward seconds of each unit of a :class:`autoshard.passes.pipeline.CutProfile`
+    (the cost model's op times; exactly rounded sums)."""
+    def secs(n):
+        if getattr(n.target, "__module__", "") == "autoshard.runtime.collectives":
+            return 0.0
+        val = n.meta.get("val")
+        outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if hasattr(v, "shape")]
+        return op_seconds(cm, n.target, n.args, n.kwargs, outs)
+
+    return [math.fsum(secs(n) for n in unit) for unit in profile.units]
+
+
+def cut_key(cuts, units, bytes_) -> tuple:
+    """The objective of cutting before candidates ``cuts`` (indices, increasing): first the
+    slowest stage's predicted compute per microbatch (forward + backward = 3 forwards: it sets
+    the steady-state pace of every schedule), then the total boundary bytes per microbatch
+    (each cut sends one message per microbatch each way; the count of cuts is fixed, so their
+    latency is too), then the earliest cuts. Sums are exactly rounded (``math.fsum``).
+
+    >>> cut_key([1], [1.0, 2.0, 1.0], [8, 4])
+    (9.0, 4, (1,))
+    """
+    edges = [0] + [c + 1 for c in cuts] + [len(units)]
+    return (max(3 * math.fsum(units[a:b]) for a, b in zip(edges, edges[1:])),
+            sum(bytes_[c] for c in cuts), tuple(cuts))
+
+
+def choose_cuts(units: list, bytes_: list, allowed: list, stages: int) -> list:
+    """Candidate indices where stages 1..``stages-1`` begin, minimizing :func:`cut_key`:
+    a dynamic program for the smallest slowest stage, then one for the fewest boundary bytes
+    (earliest cuts on ties) among the cuts that keep every stage within it.
+
+    ``units``: forward seconds of the ``len(candidates) + 1`` units (unit 0 precedes candidate
+    0; cutting at candidate j separates unit j from unit j + 1); ``bytes_``/``allowed``: per
+    candidate.
+
+    >>> choose_cuts([1, 1, 1, 1], [8, 8, 8], [True] * 3, 2)
+    [1]
+    >>> choose_cuts([1, 1, 1, 1], [8, 4, 2], [True] * 3, 3)   # [0, 1] ties [1, 2] on time; fewer bytes
+    [1, 2]
+    """
+    n = len(bytes_)
+    ok = [j for j in range(n) if allowed[j]]
+    if stages - 1 > len(ok):
+        raise ValueError(f"{stages} stages need {stages - 1} cut points; the program has {len(ok)}")
+    ends = len(units)
+
+    def stage_time(a, b):  # units a..b-1
+        return 3 * math.fsum(units[a:b])
+
+    def targets(k):
+        return [ends] if k == stages else [j + 1 for j in ok]
+
+    # best[b]: smallest slowest stage of units 0..b-1 in k stages (b - 1 a cut, or b = ends)
+    best = {0: 0.0}
+    for k in range(1, stages + 1):
+        best = {b: min((max(v, stage_time(a, b)) for a, v in best.items() if a < b), default=math.inf)
+                for b in targets(k)}
+    limit = best[ends]
+    # among splits whose every stage is within limit: fewest bytes, then earliest cuts
+    prev = {0: (0, ())}
+    for k in range(1, stages + 1):
+        row = {}
+        for b in targets(k):
+            options = [(v[0] + (bytes_[b - 1] if b < ends else 0), v[1] + ((b - 1,) if b < ends else ()))
+                       for a, v in prev.items() if a < b and stage_time(a, b) <= limit]
+            if options:
+                row[b] = min(options)
+        prev = row
+    return list(prev[ends][1])

@@ -122,6 +122,69 @@ def even_cuts(candidates: list, stages: int) -> list:
     return [blocks[(n * k) // stages][0] for k in range(1, stages)]
 
 
+def activations(program, inputs) -> set:
+    """Nodes of the rewritten program that depend on a user input and on a trainable
+    parameter: what a stage computes and may have to send on."""
+    kinds = {}
+    for name, kind, i in program.placeholders:
+        kinds[name] = ("full", False) if kind == "full" else (inputs[i].kind, inputs[i].trainable)
+    dep_user, dep_train = {}, {}
+    for n in program.graph_module.graph.nodes:
+        if n.op == "placeholder":
+            k, t = kinds[n.name]
+            dep_user[n], dep_train[n] = k == "user", k == "parameter" and t
+        elif n.op == "call_function":
+            ins = n.all_input_nodes
+            dep_user[n] = any(dep_user[a] for a in ins)
+            dep_train[n] = any(dep_train[a] for a in ins)
+    return {n for n in dep_user if n.op == "call_function" and dep_user[n] and dep_train[n]}
+
+
+@dataclass
+class CutProfile:
+    """What the cut search needs from a program: the candidate cuts in program order and,
+    for each, the nodes of the *unit* it begins (up to the next candidate) and the bytes of the
+    activations live across it (what a stage boundary there would send per microbatch on each
+    rank). ``units[0]`` is what precedes the first candidate (the embedding)."""
+
+    candidates: list  # module FQNs
+    units: list  # len(candidates) + 1 lists of nodes
+    cut_bytes: list  # per candidate
+    allowed: list  # per candidate: a stage may begin there (it leaves activations before it)
+
+
+def cut_profile(program, inputs) -> CutProfile:
+    """The :class:`CutProfile` of a rewritten program (see :func:`cut_candidates`).
+
+    Example::
+
+        prof = cut_profile(plan.program, plan.captured.inputs)
+        prof.candidates[:2], prof.cut_bytes[:2]      # (['layers.0', 'layers.1'], [1024, 1024])
+    """
+    graph = program.graph_module.graph
+    nodes = list(graph.nodes)
+    act = activations(program, inputs)
+    cands = cut_candidates(graph)
+    bounds = [p for _, p in cands]
+    units = [[] for _ in range(len(cands) + 1)]
+    for i, n in enumerate(nodes):
+        if n.op == "call_function":
+            units[bisect.bisect_right(bounds, i)].append(n)
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_read = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in act:
+                last_read[a] = max(last_read.get(a, -1), pos[n])
+    cut_bytes, allowed = [], []
+    for _, p in cands:
+        live = [a for a in act if pos[a] < p and last_read.get(a, -1) >= p and not _is_collective(a)
+                and isinstance(a.meta.get("val"), torch.Tensor)]
+        cut_bytes.append(sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in live))
+        allowed.append(any(pos[a] < p for a in act))
+    return CutProfile([c for c, _ in cands], units, cut_bytes, allowed)
+
+
 @dataclass
 class PipelineProgram:
     """The stages of a pipelined program and what crosses between them."""
