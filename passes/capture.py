@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .decompose import decompose
+from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 
 aten = torch.ops.aten
 
@@ -89,10 +90,7 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     """Export ``model(*args, **kwargs)`` and return a cleaned graph plus input metadata."""
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
-    try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-    except Exception as e:  # export errors are long; keep the cause and say what failed
-        raise RuntimeError(f"autoshard: torch.export could not capture {type(model).__name__}: {e}") from e
+    ep = export_program(model, args, kwargs)  # CaptureError: one line naming the cause and source line
     seconds = time.perf_counter() - t0
     graph = ep.graph
     for node in list(graph.nodes):

@@ -1,0 +1,274 @@
+"""A catalog of bad inputs and faults, as a hostile user would try them (issue 9).
+
+Every case asserts one of two things:
+
+- **refused**: one line (no traceback, no graph dump) of a documented exception type (README,
+  "Errors") whose text names the cause (the argument, dim, key, input or source line);
+- **exact**: the plan's result equals the unsharded model's.
+
+Cases are small and in-process (the API, the command line, an exported run.py before its
+process group starts); the multi-process faults (a stalled or killed rank, shutdown) are the slow
+tests at the end.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import autoshard  # noqa: E402
+from autoshard import LayoutError, Mesh, cli  # noqa: E402
+from autoshard.passes.capture import CaptureError  # noqa: E402
+
+MODELS = str(ROOT / "examples" / "models.py")
+LLAMA = f"{MODELS}:llama_tiny"
+
+
+# ------------------------------------------------------------------------------------------------
+# small models
+# ------------------------------------------------------------------------------------------------
+
+MLP_DIMS = {"input": "batch hidden", "0.weight": "ffn hidden", "2.weight": "hidden ffn"}
+
+
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+    return model, (torch.randn(4, 8),)
+
+
+@functools.lru_cache(maxsize=None)
+def mlp_captured():
+    """One capture of the MLP shared by the cases that fail after capture (fast)."""
+    model, args = mlp()
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=MLP_DIMS, layout={"batch": "dp"})
+    return model, args, plan.captured
+
+
+def plan_mlp(**options):
+    model, args, cap = mlp_captured()
+    options = {"mesh": Mesh({"dp": 2}), "dims": MLP_DIMS, "layout": {"batch": "dp"}, "captured": cap, **options}
+    return autoshard.autoshard(model, args, **options)
+
+
+class Branchy(nn.Module):
+    """A Python branch on a tensor's value: torch.export cannot capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if y.sum() > 0:
+            return y * 2
+        return y
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Branchy()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# refused: (name, exception type, pattern the one-line message must contain, the call)
+# ------------------------------------------------------------------------------------------------
+
+REFUSED = {
+    # layout and dims of the wrong type (issue 9, item 11)
+    "layout_value_int": (TypeError, r"layout\['batch'\] is 2 \(int\)",
+                         lambda: plan_mlp(layout={"batch": 2})),
+    "layout_value_mixed_list": (TypeError, r"layout\['batch'\] is \['dp', 2\]",
+                                lambda: plan_mlp(layout={"batch": ["dp", 2]})),
+    "layout_as_string": (TypeError, r"layout is 'batch=dp' \(str\)",
+                         lambda: plan_mlp(layout="batch=dp")),
+    "layout_key_int": (TypeError, r"layout key 0 \(int\) is not a dim name",
+                       lambda: plan_mlp(layout={0: "dp"})),
+    "dims_int": (TypeError, r"dims is 5 \(int\)", lambda: plan_mlp(dims=5)),
+    "dims_value_int": (TypeError, r"dims\['input'\] is 3 \(int\)", lambda: plan_mlp(dims={"input": 3})),
+    "dims_list_entry_int": (TypeError, r"dims\[0\] is 7 \(int\)", lambda: plan_mlp(dims=[7])),
+    # meshes
+    "mesh_bool_size": (ValueError, r"mesh axis 'dp' has size True", lambda: Mesh({"dp": True})),
+    "mesh_zero_size": (ValueError, r"mesh axis 'dp' has size 0", lambda: Mesh({"dp": 0})),
+    "mesh_float_size": (ValueError, r"mesh axis 'tp' has size 2.0", lambda: Mesh({"tp": 2.0})),
+    "mesh_bad_name": (ValueError, r"mesh axis name 'd p' must be an identifier", lambda: Mesh({"d p": 2})),
+    "mesh_empty": (ValueError, r"a mesh needs at least one axis", lambda: Mesh({})),
+    "mesh_as_string": (TypeError, r"got str 'dp=2,tp=2' \(write Mesh\(\{'dp': 2, 'tp': 2\}\)\)",
+                       lambda: plan_mlp(mesh="dp=2,tp=2")),
+    "mesh_as_pairs": (TypeError, r"got list \[\('dp', 2\)\] \(write Mesh\(\{'dp': 2\}\)\)",
+                      lambda: plan_mlp(mesh=[("dp", 2)])),
+    "mesh_auto_zero": (ValueError, r"Mesh.auto needs a positive device count, got 0", lambda: Mesh.auto(0)),
+    # training options
+    "zero_stage_true": (ValueError, r"zero_stage must be 0, 1, 2 or 3 \(or None\), not True \(bool\)",
+                        lambda: plan_mlp(train=True, zero_stage=True)),
+    "zero_stage_4": (ValueError, r"not 4 \(int\)", lambda: plan_mlp(train=True, zero_stage=4)),
+    "zero_stage_without_train": (ValueError, r"zero_stage .* pass train=True", lambda: plan_mlp(zero_stage=2)),
+    "reshard_without_zero3": (ValueError, r"reshard_after_forward applies to zero_stage=3",
+                              lambda: plan_mlp(train=True, zero_stage=1, reshard_after_forward=True)),
+    "memory_limit_word": (ValueError, r"memory_limit 'lots'", lambda: plan_mlp(memory_limit="lots")),
+    "memory_limit_negative": (ValueError, r"memory_limit must be positive, got -1", lambda: plan_mlp(memory_limit=-1)),
+    "memory_limit_impossible": (ValueError, r"no plan fits memory_limit=100 bytes",
+                                lambda: plan_mlp(layout=None, memory_limit=100)),
+    "search_false_with_limit": (ValueError, r"memory_limit need the search",
+                                lambda: plan_mlp(memory_limit="1GB", search=False)),
+    "hardware_misspelt": (ValueError, r"'h1000' is neither a hardware preset", lambda: plan_mlp(hardware="h1000")),
+    "precision_not_dtype": (ValueError, r"precision\['param'\] must be a floating torch dtype",
+                            lambda: plan_mlp(precision={"param": "bf16"})),
+    "moe_unknown_key": (ValueError, r"moe= takes 'capacity_factor', not \['top_k'\]",
+                        lambda: plan_mlp(moe={"top_k": 2})),
+    # names and layouts the model does not have
+    "layout_unknown_dim": (LayoutError, r"layout names dim 'batsh', which no tensor has",
+                           lambda: plan_mlp(layout={"batsh": "dp"})),
+    "layout_unknown_axis": (LayoutError, r"layout\['batch'\] names mesh axis 'tp'",
+                            lambda: plan_mlp(layout={"batch": "tp"})),
+    "layout_repeated_axis": (LayoutError, r"layout\['batch'\] repeats a mesh axis",
+                             lambda: plan_mlp(layout={"batch": ("dp", "dp")})),
+    "layout_indivisible": (LayoutError, r"dim 'batch' has size 4, which mesh axes \('dp',\) .* cannot split evenly",
+                           lambda: plan_mlp(mesh=Mesh({"dp": 3}))),
+    "dims_wrong_count": (LayoutError, r"dims\['input'\] gives 1 names \('batch'\) for input",
+                         lambda: plan_mlp(dims={"input": "batch"})),
+    "dims_unknown_key": (LayoutError, r"dims names 'inptu', which matches no argument",
+                         lambda: plan_mlp(dims={"inptu": "batch hidden"})),
+    # capture (item 11): one short line naming the source line and the module, no graph dump
+    "data_dependent_branch": (CaptureError, r"could not capture Branchy: data-dependent control flow .*"
+                                            r"test_bad_inputs.py:\d+ in forward \(module <root>\): `if y.sum\(\) > 0:`",
+                              lambda: autoshard.autoshard(Branchy(), (torch.randn(2, 4),), mesh=Mesh({"dp": 2}),
+                                                          dims=["batch -"], layout={"batch": "dp"})),
+    "data_dependent_branch_submodule": (CaptureError, r"could not capture Outer: .*\(module inner\)",
+                                        lambda: autoshard.autoshard(Outer(), (torch.randn(2, 4),),
+                                                                    mesh=Mesh({"dp": 2}), dims=["batch -"],
+                                                                    layout={"batch": "dp"})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_in_one_line(name, capfd):
+    exc, pattern, call = REFUSED[name]
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    assert "\n" not in msg.strip(), f"{name}: not one line:\n{msg}"
+    assert re.search(pattern, msg), f"{name}: {msg!r} does not match {pattern!r}"
+    assert len(msg) < 600, f"{name}: {len(msg)} characters"
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err, "a graph was dumped"  # torch.export's partial graph
+
+
+def test_capture_still_replays_warnings_when_it_succeeds(capfd):
+    # the held-back output of a successful export is not lost
+    model, args = mlp()
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=MLP_DIMS, layout={"batch": "dp"})
+    torch.testing.assert_close(plan.simulate(*args), model(*args), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# exact: what is accepted gives the unsharded model's result
+# ------------------------------------------------------------------------------------------------
+
+def _mlp_exact(**options):
+    model, args = mlp()
+    plan = autoshard.autoshard(model, args, dims=MLP_DIMS, **options)
+    want = model(*args)
+    torch.testing.assert_close(plan.simulate(*args), want, rtol=1e-5, atol=1e-6)
+    loss, grads = plan.simulate_grads(*args)
+    want.sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+EXACT = {
+    "layout_list_of_axes": dict(mesh=Mesh({"dp": 2, "tp": 2}), layout={"batch": ["dp"], "ffn": ["tp"]}),
+    "layout_two_axes_one_dim": dict(mesh=Mesh({"dp": 2, "tp": 2}), layout={"ffn": ("tp", "dp")}),
+    "layout_none_entries_only": dict(mesh=Mesh({"tp": 2}), layout={"batch": None}),
+    "mesh_as_plain_dict": dict(mesh={"tp": 2}, layout={"ffn": "tp"}),
+    "zero_stage_int_zero": dict(mesh=Mesh({"dp": 2}), layout={"batch": "dp"}, train=True, zero_stage=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_accepted_is_exact(name):
+    _mlp_exact(**EXACT[name])
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line (item 10): library errors in one line, exit code 2; `run ... -- ARGS`
+# ------------------------------------------------------------------------------------------------
+
+class _Boom:
+    pass
+
+
+CLI = {
+    "zero_stage_without_train": (["plan", LLAMA, "--mesh", "dp=2", "--layout", "batch=dp", "--zero-stage", "2"],
+                                 {}, r"--zero-stage 2 shards training state.*\(hint: add --train\)"),
+    "impossible_memory_limit": (["plan", LLAMA, "--mesh", "dp=2", "--memory-limit", "1KB"], {},
+                                r"no plan fits memory_limit=1000 bytes per rank"),
+    "misspelt_hardware_env": (["plan", LLAMA, "--mesh", "dp=2", "--layout", "batch=dp"],
+                              {"AUTOSHARD_HARDWARE": "h1000"}, r"'h1000' is neither a hardware preset"),
+    "calibrate_process_count": (["calibrate", "dp=2", "3"], {}, r"mesh \{'dp': 2\} has 2 ranks but nprocs=3"),
+    "factory_raises": (["plan", "{factory}:broken", "--mesh", "dp=2"], {},
+                       r"calling .*:broken failed: ZeroDivisionError: division by zero at .*factory.py:3"),
+    "data_dependent_model": (["plan", "{factory}:branchy", "--mesh", "dp=2", "--layout", "batch=dp"], {},
+                             r"could not capture Branchy: data-dependent control flow .*`if y.sum\(\) > 0:`"),
+}
+
+FACTORY = '''import torch
+def broken():
+    return 1 / 0
+def branchy():
+    from test_bad_inputs import Branchy
+    return Branchy(), (torch.randn(2, 4),), ["batch -"]
+'''
+
+
+@pytest.mark.parametrize("name", sorted(CLI))
+def test_cli_library_errors_are_one_line(name, capsys, monkeypatch, tmp_path):
+    argv, env, pattern = CLI[name]
+    (tmp_path / "factory.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AUTOSHARD_DEBUG", raising=False)
+    rc = cli.main([a.replace("{factory}", str(tmp_path / "factory.py")) for a in argv])
+    out, err = capsys.readouterr()
+    assert rc == 2, err
+    assert err.count("\n") == 1 and err.startswith("autoshard: error: "), err
+    assert "Traceback" not in err and "def forward" not in err
+    assert re.search(pattern, err), err
+
+
+def test_cli_debug_shows_the_traceback(monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_DEBUG", "1")
+    with pytest.raises(ValueError, match="nprocs=3"):
+        cli.main(["calibrate", "dp=2", "3"])
+
+
+def test_cli_run_passes_arguments_after_the_double_dash(monkeypatch, capsys):
+    """`autoshard run TARGET --mesh ... -- RUN.PY ARGS`, options after TARGET (README's form)."""
+    seen = {}
+    monkeypatch.setattr(cli, "_launch", lambda cmd, timeout: seen.setdefault("cmd", cmd) and 0)
+    rc = cli.main(["run", LLAMA, "--mesh", "tp=2", "--layout", "heads=tp,ffn=tp", "--steps", "1",
+                   "--no-check", "--", "--timeout", "30", "--seed", "3"])
+    assert rc == 0, capsys.readouterr().err
+    cmd = seen["cmd"]
+    assert cmd[-5:] == ["--steps", "1", "--timeout", "30", "--seed", "3"][-5:] and "--timeout" in cmd, cmd
+    assert cmd[cmd.index("--steps"):] == ["--steps", "1", "--timeout", "30", "--seed", "3"]
+    with pytest.raises(SystemExit):
+        cli.main(["plan", LLAMA, "--mesh", "tp=2", "--", "--seed", "3"])  # only `run` takes them
