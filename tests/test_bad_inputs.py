@@ -272,3 +272,130 @@ def test_cli_run_passes_arguments_after_the_double_dash(monkeypatch, capsys):
     assert cmd[cmd.index("--steps"):] == ["--steps", "1", "--timeout", "30", "--seed", "3"]
     with pytest.raises(SystemExit):
         cli.main(["plan", LLAMA, "--mesh", "tp=2", "--", "--seed", "3"])  # only `run` takes them
+
+
+# ------------------------------------------------------------------------------------------------
+# an exported run.py, before its process group starts (items 6 and 9): RunError, one line
+# ------------------------------------------------------------------------------------------------
+
+from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.passes.export import simulate_export  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    """The dp=2 x tp=2 Llama export (its attention_mask input is None) and the model's state dict."""
+    from examples.models import llama_tiny
+
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "tp": 2}), dims=dims,
+                               layout={"batch": "dp", "heads": "tp", "ffn": "tp"})
+    base = tmp_path_factory.mktemp("runpy")
+    path = plan.export(base / "llama", args)
+    return path, {k: v.detach().clone() for k, v in model.state_dict().items()}, args
+
+
+def _edit_json(d, fn):
+    import json
+
+    doc = json.loads((d / "plan.json").read_text())
+    fn(doc)
+    (d / "plan.json").write_text(json.dumps(doc))
+
+
+def _user(doc, target):
+    return next(m for m in doc["inputs"] if m["target"] == target)
+
+
+def _save_inputs(d, fn):
+    ids, mask, labels = torch.load(d / "inputs.pt", weights_only=True)["inputs"]
+    torch.save({"inputs": fn([ids, mask, labels])}, d / "bad_inputs.pt")
+    return ["--inputs", str(d / "bad_inputs.pt")]
+
+
+def _save_ckpt(d, state, fn):
+    torch.save(fn(dict(state)), d / "ckpt.pt")
+    return ["--weights", str(d / "ckpt.pt")]
+
+
+def _weights_file(d, fn):
+    state = torch.load(d / "weights.pt", weights_only=True)
+    torch.save(fn(state), d / "weights.pt")
+    return []
+
+
+RUNPY = {
+    # item 6: checkpoints whose keys do not match
+    "ckpt_prefixed_keys": (lambda d, s: _save_ckpt(d, s, lambda st: {"model." + k: v for k, v in st.items()}),
+                           r"missing \d+ parameter\(s\) \(embed_tokens.weight, .*unexpected key\(s\) \(model\..*"
+                           r"prefix 'model\.': strip it"),
+    "ckpt_partial": (lambda d, s: _save_ckpt(d, s, lambda st: {k: v for k, v in st.items() if "layers.1." not in k}),
+                     r"missing \d+ parameter\(s\) \(layers\.1\..*--allow-partial takes the missing ones"),
+    "ckpt_other_model": (lambda d, s: _save_ckpt(d, s, lambda st: {"fc.weight": torch.zeros(3)}),
+                         r"missing \d+ parameter\(s\).*unexpected key\(s\) \(fc.weight\)"),
+    "allow_partial_without_weights": (lambda d, s: ["--allow-partial"], r"--allow-partial applies to a --weights"),
+    # item 9: dtypes of weights, checkpoints and inputs
+    "ckpt_bf16": (lambda d, s: _save_ckpt(d, s, lambda st: {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                                                           for k, v in st.items()}),
+                  r"weights of the wrong dtype: \S+ is bfloat16, the plan has float32"),
+    "weights_file_float64": (lambda d, s: _weights_file(d, lambda st: {k: v.double() for k, v in st.items()}),
+                             r"weights of the wrong dtype: \S+ is float64, the plan has float32"),
+    "float_token_ids": (lambda d, s: _save_inputs(d, lambda x: [x[0].float(), x[1], x[2]]),
+                        r"input input_ids has dtype float32; the program was planned for int64 \(token ids"),
+    "int32_labels": (lambda d, s: _save_inputs(d, lambda x: [x[0], x[1], x[2].int()]),
+                     r"input labels has dtype int32; the program was planned for int64"),
+    "tensor_where_plan_had_none": (lambda d, s: _save_inputs(d, lambda x: [x[0], torch.ones(4, 8), x[2]]),
+                                   r"input attention_mask is a tensor \[4, 8\], but the program was planned with "
+                                   r"None there"),
+    "input_missing": (lambda d, s: _save_inputs(d, lambda x: x[:2]), r"must hold a list of 3 inputs"),
+    "input_wrong_shape": (lambda d, s: _save_inputs(d, lambda x: [x[0][:2], x[1], x[2]]),
+                          r"input input_ids is \[2, 8\]; the program was planned for shape \[4, 8\]"),
+    # item 9: plan.json that would crash the ranks
+    "empty_outputs": (lambda d, s: _edit_json(d, lambda doc: doc.update(outputs=[])) or [],
+                      r"'outputs' is empty"),
+    "placement_dim_out_of_range": (lambda d, s: _edit_json(d, lambda doc: _user(doc, "input_ids").update(
+        placement=["S(5)", "R"])) or [], r"input 'input_ids' is sharded on dim 5, but it has 2 dims"),
+    "weight_placement_dim_out_of_range": (lambda d, s: _edit_json(d, lambda doc: _user(doc, "norm.weight").update(
+        placement=["R", "S(1)"])) or [], r"input 'norm.weight' is sharded on dim 1, but it has 1 dim\b"),
+    "output_placement_dim_out_of_range": (lambda d, s: _edit_json(d, lambda doc: doc["outputs"][0].update(
+        placement=["S(0)", "R"])) or [], r"output 0 is sharded on dim 0, but it has 0 dims"),
+    "bad_dtype_name": (lambda d, s: _edit_json(d, lambda doc: _user(doc, "input_ids").update(dtype="Tensor")) or [],
+                       r"input 'input_ids' has dtype 'Tensor'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNPY))
+def test_runpy_refuses_before_the_process_group(name, export_dir, tmp_path, monkeypatch):
+    src, state, _ = export_dir
+    d = tmp_path / "exp"
+    shutil.copytree(src, d)
+    make, pattern = RUNPY[name]
+    argv = make(d, state)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(R.RunError) as info:
+        R.prepare(d, R._parser().parse_args(argv))
+    msg = str(info.value)
+    assert "\n" not in msg and re.search(pattern, msg), f"{name}: {msg!r}"
+
+
+def test_runpy_checkpoint_with_every_key_is_exact(export_dir, tmp_path):
+    """A full checkpoint (here: the model's own weights, keys in another order) gives the
+    unsharded model's outputs and gradients."""
+    src, state, _ = export_dir
+    torch.save(dict(reversed(list(state.items()))), tmp_path / "ckpt.pt")
+    for r in simulate_export(src, steps=1, check=True, weights=tmp_path / "ckpt.pt"):
+        assert r["ok"], r["problems"]
+
+
+def test_runpy_allow_partial_takes_the_rest_from_the_export(export_dir, tmp_path):
+    """--allow-partial: a checkpoint of some layers; the others come from the export, so with the
+    model's own values for those layers the result is still the unsharded model's."""
+    src, state, _ = export_dir
+    torch.save({k: v for k, v in state.items() if "layers.1." not in k}, tmp_path / "part.pt")
+    with pytest.raises(R.RunError, match="missing"):
+        simulate_export(src, weights=tmp_path / "part.pt")
+    weights = R.open_weights(src, R.read_plan(src), tmp_path / "part.pt", allow_partial=True)
+    assert re.fullmatch(r"--allow-partial: \d+ of the program's parameters are not in .* come from the export .*",
+                        weights.partial_note)
+    for r in simulate_export(src, steps=1, check=True, weights=tmp_path / "part.pt", allow_partial=True):
+        assert r["ok"], r["problems"]
