@@ -38,6 +38,7 @@ from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -604,33 +605,79 @@ def run(root: Path, args) -> int:
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    say = _say if rank == 0 else (lambda msg: None)
+    store = dist.distributed_c10d._get_default_store()
+    beat = Heartbeat(store, rank)
     try:
-        backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu")
-        train = args.steps > 0
-        zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
-        say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
-            f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
-            + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
-               if train else "forward only"))
-        with rank_context(mesh, rank, backend):
-            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
-            res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
-        if ctx["ref"] is None:
-            return 0
-        flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        for msg in res["problems"][:5]:
-            print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
-        ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
-                                   mesh.size)
-        say(text)
-        return 0 if ok else 1
-    finally:
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
+    except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
+        if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
+            # peers are stopped or gone: tearing the group down could block or abort
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PEER)
+        beat.stop()
         dist.destroy_process_group()
+        raise
+    # Leave together: a rank that destroys its groups while a peer still talks to it makes the
+    # peer's gloo threads abort ("terminate called without an active exception").
+    dist.barrier()
+    beat.stop()
+    dist.destroy_process_group()
+    return rc
+
+
+EXIT_PEER = 3
+_PEER_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
+                "socket", "peer")
+
+
+def _report_lost_peer(e: BaseException, store, rank: int, world: int, timeout: float) -> bool:
+    """If ``e`` is a collective failing because some rank stopped answering, print one line for
+    the job (the first rank to notice prints it) and return True."""
+    text = f"{type(e).__name__}: {e}"
+    if not (isinstance(e, getattr(dist, "DistError", ())) or any(w in text.lower() for w in _PEER_ERRORS)):
+        return False
+    try:
+        gone = [r for r in stalled_ranks(store, world) if r != rank]
+    except Exception:  # noqa: BLE001 - the store itself is gone (the launcher is tearing down)
+        return True
+    if not gone:
+        return False
+    if first_to_report(store):
+        wake(store, gone)
+        first = " ".join(str(e).split())[:160]
+        ranks = ", ".join(map(str, gone))
+        print(f"run.py: error: rank{'s' if len(gone) > 1 else ''} {ranks} stopped answering (stalled or dead); "
+              f"rank {rank}'s collective failed within --timeout {timeout:g}s: {type(e).__name__}: {first}",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
+    say = _say if rank == 0 else (lambda msg: None)
+    backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
+    train = args.steps > 0
+    zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
+    say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
+        f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
+        + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
+           if train else "forward only"))
+    with rank_context(mesh, rank, backend):
+        rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
+    if ctx["ref"] is None:
+        return 0
+    flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    for msg in res["problems"][:5]:
+        print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
+    ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
+                               mesh.size)
+    say(text)
+    return 0 if ok else 1
 
 
 def summarize_check(doc, ref, args, ok: bool, worst, losses, n_ranks):
