@@ -199,6 +199,8 @@ class Weights:
         self.aliases: dict = {}
         for alias, kept in (doc.get("aliases") or {}).items():
             self.aliases.setdefault(kept, []).append(alias)
+        self.dtypes = {m["target"]: m["_dtype"] for m in doc["inputs"]
+                       if m["kind"] != "user" and m.get("role", "input") == "input" and m.get("shape") is not None}
         missing, wrong, dtypes = [], [], []
         for m in doc["inputs"]:
             if m["kind"] == "user" or m.get("role", "input") != "input" or m.get("shape") is None:
@@ -221,14 +223,21 @@ class Weights:
         if dtypes:
             raise RunError(f"weights of the wrong dtype: {'; '.join(dtypes[:3])}"
                            + (f" and {len(dtypes) - 3} more" if len(dtypes) > 3 else "")
-                           + " (hint: convert the checkpoint, e.g. {k: v.to(torch.float32) for k, v in "
-                             "state.items()}, or plan and export in its dtype)")
+                           + " (hint: floating point and integer tensors do not convert into each other; "
+                             "check that the checkpoint is of this model)")
 
     def find(self, fqn: str):
         for name in [fqn] + self.aliases.get(fqn, []):
             for s in self.sources:
                 if name in s:
-                    return s[name]
+                    t = s[name]
+                    want = self.dtypes.get(fqn)
+                    if isinstance(t, torch.Tensor) and want is not None and t.dtype != want \
+                            and t.is_floating_point() and want.is_floating_point:
+                        # another float dtype (an fp32 checkpoint of a bf16 plan): converted as
+                        # model.load_state_dict would; integer <-> float mismatches are refused
+                        t = t.to(want)
+                    return t
         return None
 
 

@@ -335,11 +335,10 @@ RUNPY = {
                          r"missing \d+ parameter\(s\).*unexpected key\(s\) \(fc.weight\)"),
     "allow_partial_without_weights": (lambda d, s: ["--allow-partial"], r"--allow-partial applies to a --weights"),
     # item 9: dtypes of weights, checkpoints and inputs
-    "ckpt_bf16": (lambda d, s: _save_ckpt(d, s, lambda st: {k: v.to(torch.bfloat16) if v.is_floating_point() else v
-                                                           for k, v in st.items()}),
-                  r"weights of the wrong dtype: \S+ is bfloat16, the plan has float32"),
-    "weights_file_float64": (lambda d, s: _weights_file(d, lambda st: {k: v.double() for k, v in st.items()}),
-                             r"weights of the wrong dtype: \S+ is float64, the plan has float32"),
+    "ckpt_int_weights": (lambda d, s: _save_ckpt(d, s, lambda st: {k: v.long() for k, v in st.items()}),
+                         r"weights of the wrong dtype: \S+ is int64, the plan has float32"),
+    "weights_file_int8": (lambda d, s: _weights_file(d, lambda st: {k: v.to(torch.int8) for k, v in st.items()}),
+                          r"weights of the wrong dtype: \S+ is int8, the plan has float32"),
     "float_token_ids": (lambda d, s: _save_inputs(d, lambda x: [x[0].float(), x[1], x[2]]),
                         r"input input_ids has dtype float32; the program was planned for int64 \(token ids"),
     "int32_labels": (lambda d, s: _save_inputs(d, lambda x: [x[0], x[1], x[2].int()]),
@@ -497,3 +496,14 @@ def test_training_runs_end_without_an_abort(tmp_path):
         assert proc.returncode == 0, f"run {k + 1}/{runs}: exit code {proc.returncode}\n{err[-3000:]}"
         assert "terminate called" not in err and "SIGABRT" not in err, f"run {k + 1}/{runs}:\n{err[-3000:]}"
         assert "step 2/2" in out
+
+
+def test_runpy_converts_a_checkpoint_of_another_float_dtype(export_dir, tmp_path):
+    """A float64 checkpoint of a float32 plan loads as model.load_state_dict would (converted):
+    the result equals the unsharded model with those weights loaded."""
+    src, state, _ = export_dir
+    torch.save({k: v.double() if v.is_floating_point() else v for k, v in state.items()}, tmp_path / "c64.pt")
+    weights = R.open_weights(src, R.read_plan(src), tmp_path / "c64.pt")
+    assert weights.find("embed_tokens.weight").dtype == torch.float32
+    for r in simulate_export(src, steps=1, check=True, weights=tmp_path / "c64.pt"):
+        assert r["ok"], r["problems"]  # float64 -> float32 gives back the exported float32 values
