@@ -151,12 +151,18 @@ class LocalModule(nn.Module):
     def run_flat(self, flat_user: list) -> list:
         """The program's flat local outputs for the flat global user inputs."""
         inputs = self.local_inputs(flat_user)
+        ctx = current("LocalModule")
         if self.spec.reduce_dtype is not None:
-            current("LocalModule").reduce_dtype = self.spec.reduce_dtype
-        if not self.spec.reshard_tags or not torch.is_grad_enabled():
+            ctx.reduce_dtype = self.spec.reduce_dtype
+        if not torch.is_grad_enabled():
             return list(self.spec.forward(*inputs))
-        current("LocalModule").reshard_tags = self.spec.reshard_tags
-        with reshard_after_forward():
+        with contextlib.ExitStack() as stack:
+            if self.spec.reshard_tags:
+                ctx.reshard_tags = self.spec.reshard_tags
+                stack.enter_context(reshard_after_forward())
+            if ctx.saved_tracker is not None:
+                # innermost, so it sees what the resharding hooks keep and what they release
+                stack.enter_context(ctx.saved_tracker.hooks())
             return list(self.spec.forward(*inputs))
 
     @contextlib.contextmanager
