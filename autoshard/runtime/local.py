@@ -119,9 +119,10 @@ class LocalModule(nn.Module):
             else:
                 self.register_buffer(slot.name, piece, persistent=False)
                 self._values[slot.name] = piece
-        if spec.buckets:
+        if spec.buckets and mesh.axes[spec.data_axes[0]] > 1:
             # Data-parallel gradient sync of replicated parameters is not in the program: it
-            # runs as bucketed all-reduces started from gradient hooks, overlapping backward.
+            # runs as bucketed all-reduces started from gradient hooks, overlapping backward
+            # (on a data axis of size one there is nothing to sum: no buckets, no copies).
             names = [ns for _, ns in spec.buckets]
             GradBuckets({n: self._values[n] for ns in names for n in ns}, names, spec.data_axes[0],
                         tags=[tag for tag, _ in spec.buckets]).attach()
