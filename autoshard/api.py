@@ -196,6 +196,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     plan.units = units
     if use_checkpoint:
         plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
+    plan.example_inputs = (tuple(args), dict(kwargs or {}))
     plan.reduce_dtype = reduce_dtype
     if reduce_dtype is not None:
         widen_gradient_sums(program, reduce_dtype, param_dtype)
