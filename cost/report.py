@@ -101,6 +101,8 @@ def describe_layout(layout: dict, mesh) -> str:
         for a in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
             if a in per:
                 per[a].append(name)
+            elif a.endswith("?") and a[:-1] in per:  # soft: where the axis is free
+                per[a[:-1]].append(name + "?")
     return "; ".join(f"{a}: {'+'.join(sorted(v)) if v else 'nothing'}" for a, v in per.items())
 
 
