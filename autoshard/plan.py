@@ -41,6 +41,8 @@ class Plan:
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
     _rank_spec: object = field(default=None, repr=False)
+    # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
+    example_inputs: object = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -308,13 +310,16 @@ class Plan:
     def export(self, path, args=None, kwargs=None, **options):
         """Write this plan to the directory ``path``, runnable with
         ``torchrun --nproc-per-node=N path/run.py [--check] [--steps K]``. ``args``/``kwargs``:
-        example inputs (saved, and used for the ``--check`` references). Options: see
+        example inputs (saved, and used for the ``--check`` references); without them, the
+        inputs the plan was made from (when they are real tensors). Options: see
         :func:`autoshard.passes.export.export_plan`. Returns the directory's Path.
 
         Example::
 
-            plan.export("out/llama", args)   # then: torchrun --nproc-per-node=4 out/llama/run.py --check
+            plan.export("out/llama")   # then: torchrun --nproc-per-node=4 out/llama/run.py --check
         """
+        if args is None and kwargs is None and self.example_inputs is not None:
+            args, kwargs = self.example_inputs
         return export_plan(self, path, args, kwargs, **options)
 
     # ------------------------------------------------------------------ cost model (autoshard.cost)

@@ -161,10 +161,13 @@ def _unlisted_aliases(params: dict, buffers: dict, inputs: list, state: dict) ->
 
 
 def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
-    """cross_entropy(mean) -> sum(cross_entropy(none)) / count(target != ignore_index).
+    """cross_entropy(mean) -> sum(cross_entropy(none)) / count.
 
-    Equal to torch's mean for unweighted losses; written out so a batch split across ranks sums
-    numerator and count globally instead of averaging per-rank means."""
+    The count is torch's divisor: the targets ``!= ignore_index`` for class-index targets, and
+    every position (``input.numel() / C``, one per row) for probability targets (a float target
+    shaped like the input), where ``ignore_index`` does not apply. Equal to torch's mean for
+    unweighted losses; written out so a batch split across ranks sums numerator and count
+    globally instead of averaging per-rank means."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != aten.cross_entropy_loss.default:
             continue
@@ -176,14 +179,21 @@ def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
         if reduction != 1 or weight is not None:
             continue  # sum/none reductions are already global-safe; weighted means fall back
         val = node.meta["val"]
+        xval, tval = x.meta["val"], target.meta["val"]
+        probs = tval.is_floating_point() and tval.dim() == xval.dim()
+        # the per-position loss: the input's shape without its class dim (dim 1, or 0 if 1-D)
+        pshape = tuple(xval.shape[:1]) + tuple(xval.shape[2:]) if xval.dim() > 1 else ()
         with graph.inserting_before(node):
             per = graph.call_function(aten.cross_entropy_loss.default, (x, target, None, 0, ignore, smoothing))
-            tval = target.meta["val"]
-            per.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=val.dtype, device=val.device))
+            per.meta = dict(node.meta, val=torch.empty(pshape, dtype=val.dtype, device=val.device))
             total = graph.call_function(aten.sum.default, (per,))
             total.meta = dict(node.meta, val=torch.empty((), dtype=val.dtype, device=val.device))
-            valid = graph.call_function(aten.ne.Scalar, (target, ignore))
-            valid.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=torch.bool, device=val.device))
+            if probs:
+                valid = graph.call_function(aten.ones_like.default, (per,), {"dtype": torch.int64})
+                valid.meta = dict(node.meta, val=torch.empty(pshape, dtype=torch.int64, device=val.device))
+            else:
+                valid = graph.call_function(aten.ne.Scalar, (target, ignore))
+                valid.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=torch.bool, device=val.device))
             count = graph.call_function(aten.sum.default, (valid,))
             count.meta = dict(node.meta, val=torch.empty((), dtype=torch.int64, device=val.device))
             loss = graph.call_function(aten.div.Tensor, (total, count))
