@@ -93,3 +93,22 @@ def test_soft_entries_parse_and_hard_errors_stay():
         _plan({"tp": 2}, {"heads": "tp", "hidden": "tp", "seq": "tp?"})
     with pytest.raises(LayoutError, match="cannot split evenly"):
         _plan({"tp": 4}, {"heads": "tp", "seq": "tp?"}, seq=6)
+
+
+def test_replicated_use_keeps_the_whole_gradient_on_rank_zero():
+    """Forward identity; backward: rank 0 keeps the (identical) gradient, the others zeros, so a
+    reduce-scatter after it counts the gradient once."""
+    from autoshard.runtime import run_simulated
+    from autoshard.runtime.collectives import replicated_use
+    x0 = torch.arange(6.0).reshape(2, 3)
+    g = torch.full((2, 3), 0.5)
+
+    def rank(r):
+        x = x0.clone().requires_grad_()
+        y = replicated_use(x, "tp")
+        y.backward(g)
+        return y.detach(), x.grad
+
+    for r, (y, dx) in enumerate(run_simulated(autoshard.Mesh({"tp": 2}), rank)):
+        assert torch.equal(y, x0)
+        assert torch.equal(dx, g if r == 0 else torch.zeros_like(g))
