@@ -295,6 +295,7 @@ class Segment:
     saved_bytes: int = 0  # activations saved for backward
     max_act_bytes: int = 0
     saved_by_module: dict = field(default_factory=dict)  # module FQN -> its part of saved_bytes
+    boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/checkpoint.py)
 
     def key(self):
         return (tuple(x if isinstance(x, tuple) else x.key() for x in self.items), self.saved_bytes,
@@ -520,6 +521,7 @@ class PlanCost:
     counts: dict = field(default_factory=dict)  # (axis, phase, kind) -> number of collectives
     volume: dict = field(default_factory=dict)  # (axis, phase, kind) -> bytes sent per rank
     activations_by_module: dict = field(default_factory=dict)  # module FQN -> saved bytes per rank
+    checkpoint: bool = False  # repeated blocks recomputed in backward (activation checkpointing)
 
     @property
     def comm_exposed(self) -> float:
