@@ -87,6 +87,41 @@ class Outer(nn.Module):
         return self.inner(x) + 1
 
 
+class Triple(torch.autograd.Function):
+    """A custom autograd Function whose backward is not the derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+class WithFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Triple.apply(self.proj(x)).sum()
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.proj(x))
+
+
+def _plan_small(model):
+    return autoshard.autoshard(model, (torch.randn(2, 4),), mesh=Mesh({"dp": 2}), dims=["batch -"],
+                               layout={"batch": "dp"})
+
+
 # ------------------------------------------------------------------------------------------------
 # refused: (name, exception type, pattern the one-line message must contain, the call)
 # ------------------------------------------------------------------------------------------------
@@ -155,6 +190,16 @@ REFUSED = {
                                         lambda: autoshard.autoshard(Outer(), (torch.randn(2, 4),),
                                                                     mesh=Mesh({"dp": 2}), dims=["batch -"],
                                                                     layout={"batch": "dp"})),
+    # model features and inputs a plan would not reproduce (items 2-4, refused by passes/guards.py
+    # and runtime/inputs.py)
+    "simulate_other_batch": (autoshard.InputMismatchError, r"input input has shape \(8, 8\); the plan was made "
+                                                           r"for shape \(4, 8\)",
+                             lambda: plan_mlp().simulate(torch.randn(8, 8))),
+    "custom_autograd_function": (autoshard.UnsupportedModelError, r"custom autograd Function Triple \(at "
+                                                                  r"test_bad_inputs.py:\d+\)",
+                                 lambda: _plan_small(WithFunction())),
+    "batchnorm_in_training": (autoshard.UnsupportedModelError, r"updates the buffer bn\.\S+ in place .*module bn",
+                              lambda: _plan_small(WithBatchNorm())),
 }
 
 
