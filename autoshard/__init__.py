@@ -21,6 +21,7 @@ _FACADE = {
     "Plan": "autoshard.plan",
     "LayoutError": "autoshard.passes.spmd",
     "UnsupportedOpWarning": "autoshard.passes.spmd",
+    "CaptureError": "autoshard.passes.capture",
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -48,7 +48,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
-              verbose: bool = False, captured=None, precision=None) -> Plan:
+              verbose: bool = False, captured=None, precision=None, strict: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -86,7 +86,11 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     Mixture-of-Experts layers are recognised (``passes.experts``): their experts dim is named
     ``experts`` and ``layout={"experts": "ep"}`` places experts on ``ep`` with dispatch and
     combine all-to-alls. ``moe={"capacity_factor": 1.25}`` caps the rows per expert (the drop
-    policy of ``autoshard.runtime.experts``); the default is dropless."""
+    policy of ``autoshard.runtime.experts``); the default is dropless.
+
+    ``strict=True``: refuse (``LayoutError``) a plan that gathers in forward a value the layout
+    shards (an op without a rule, or one that needs the dim whole; ``plan.unsharded`` lists them,
+    ``print(plan)`` shows them in any case)."""
     if zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -183,6 +187,10 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     plan.reduce_dtype = reduce_dtype
     if reduce_dtype is not None:
         widen_gradient_sums(program, reduce_dtype, param_dtype)
+    if strict and plan.unsharded:
+        lapses = plan.unsharded
+        raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
+                          f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
     return plan
 
 

@@ -27,6 +27,25 @@ from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
 
 
+@dataclass(frozen=True)
+class Unsharded:
+    """A value the layout shards on ``axis`` that the plan gathers whole in forward (see
+    :attr:`Plan.unsharded`)."""
+
+    dim: str  # the named dim that stops being sharded
+    axis: str
+    value: str  # the graph value gathered
+    where: str  # module of the op that needs it whole
+    line: str  # that op's source line
+    bytes: int  # this rank's input to the gather
+    why: str
+    tag: int = -1
+
+    def __str__(self):
+        return (f"dim {self.dim!r} of {self.value} is gathered whole on {self.axis} ({self.bytes} bytes/rank) "
+                f"in {self.where or '<root>'} at {self.line}: {self.why}")
+
+
 @dataclass
 class Plan:
     model: torch.nn.Module
@@ -59,6 +78,34 @@ class Plan:
     def graph_module(self) -> torch.fx.GraphModule:
         """The per-rank program (aten ops and autoshard collectives)."""
         return self.program.graph_module
+
+    @property
+    def unsharded(self) -> list:
+        """Where the layout is not carried out: every forward all-gather that makes a value whole
+        on an axis its layout shards it on (an op without a rule, or one that needs that dim
+        whole), as :class:`Unsharded` records (dim, axis, value, module, source line, bytes, why).
+        ZeRO's gathers of stored parameter shards are the plan, not a lapse, and are not listed.
+        ``print(plan)`` and ``plan.explain()`` show them; ``autoshard(..., strict=True)`` refuses
+        a plan that has any.
+
+        Example::
+
+            for u in plan.unsharded:
+                print(u.dim, u.axis, u.where, u.line, u.bytes)
+        """
+        nodes = {n.name: n for n in self.captured.graph.nodes}
+        out = []
+        for c in self.program.collectives:
+            if c.phase != "forward" or c.kind != "all_gather" or c.op != "all_gather":
+                continue
+            dim = "?"
+            node, place = nodes.get(c.node), self.program.placements.get(c.node)
+            if node is not None and place is not None and node in self.info.dims:
+                owner = place[0][self.mesh.names.index(c.axes[0])]
+                if hasattr(owner, "dim"):
+                    dim = self.info.dim_name(self.info.of(node)[owner.dim])
+            out.append(Unsharded(dim, c.axes[0], c.node, c.where, c.line, c.bytes, c.why, c.tag))
+        return out
 
     def placement_of(self, name: str):
         """Placement (tuple per mesh axis) of a parameter FQN or a graph value name."""
@@ -275,10 +322,20 @@ class Plan:
             rows.append([node.name, getattr(node.target, "__name__", str(node.target)), module_of(node),
                          tuple(val.shape), dims, describe(place, axes)])
         parts.append("Activations\n" + tabulate(rows, headers=["value", "op", "module", "shape", "dims", "owner"]))
-        rows = [[c.tag, c.phase, c.kind, ",".join(c.axes), c.bytes, c.where or "<root>", c.why]
-                for c in self.program.collectives]
-        parts.append(f"Collectives ({len(rows)})\n" + (tabulate(rows, headers=["#", "phase", "kind", "axis", "bytes/rank", "module", "why"])
-                                                     if rows else "none"))
+        # a forward-only plan (train=False) runs no backward: its backward collectives (what
+        # plan.simulate_grads or a .backward() would add) are counted, not listed as part of it
+        shown = [c for c in self.program.collectives if self.train or c.phase != "backward"]
+        rows = [[c.tag, c.phase, c.kind, ",".join(c.axes), c.bytes, c.where or "<root>", c.why] for c in shown]
+        held = len(self.program.collectives) - len(shown)
+        note = (f"; forward only (train=False): the {held} backward collectives a .backward() would add are in "
+                f"plan.collectives with phase 'backward'" if held else "")
+        parts.append(f"Collectives ({len(rows)}{note})\n" + (tabulate(rows, headers=["#", "phase", "kind", "axis", "bytes/rank", "module", "why"])
+                                                             if rows else "none"))
+        lapses = self.unsharded
+        if lapses:
+            rows = [[u.tag, u.dim, u.axis, u.value, u.where or "<root>", u.line, u.bytes, u.why] for u in lapses]
+            parts.append(f"Not sharded as the layout asks ({len(rows)} forward gathers; strict=True refuses them)\n"
+                         + tabulate(rows, headers=["#", "dim", "axis", "value", "module", "line", "bytes/rank", "why"]))
         if self.program.fallbacks:
             rows = [[op, mod or "<root>", line] for op, mod, line in self.program.fallbacks]
             parts.append("Ops without a rule (run replicated)\n" + tabulate(rows, headers=["op", "module", "line"]))
