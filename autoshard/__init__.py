@@ -22,6 +22,9 @@ _FACADE = {
     "LayoutError": "autoshard.passes.spmd",
     "UnsupportedOpWarning": "autoshard.passes.spmd",
     "CaptureError": "autoshard.passes.capture",
+    "UnsupportedModelError": "autoshard.passes.guards",
+    "DropoutWarning": "autoshard.passes.guards",
+    "InputMismatchError": "autoshard.runtime.inputs",
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -184,6 +184,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     plan.units = units
+    plan.example_inputs = (tuple(args), dict(kwargs or {}))
     plan.reduce_dtype = reduce_dtype
     if reduce_dtype is not None:
         widen_gradient_sums(program, reduce_dtype, param_dtype)

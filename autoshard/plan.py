@@ -21,7 +21,7 @@ from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
 from .runtime.context import current
 from .ownership import slice_dim_for
-from .runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
+from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
 from autoshard.cost.report import alternatives, cost_report, explain
 from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
@@ -60,6 +60,8 @@ class Plan:
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
     _rank_spec: object = field(default=None, repr=False)
+    # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
+    example_inputs: object = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -121,6 +123,14 @@ class Plan:
                 raise ValueError("this plan was made from a model on the meta device: it can be inspected and "
                                  "exported, not simulated; build the model with real weights to simulate")
 
+    def _check_inputs(self, args, kwargs):
+        """InputMismatchError unless the inputs match the planned ones (before any rank starts:
+        one error, not one per rank; LocalModule checks them again in real runs)."""
+        users = iter(self.captured.flatten_args(args, kwargs))
+        for slot in self.rank_spec().slots:
+            if slot.kind == "user":
+                check_slot(slot, next(users))
+
     def run_rank(self, rank: int, *args, grads: bool = False, **kwargs):
         """Run this rank's program inside the current rank context (simulated thread or a
         torch.distributed process). ``args`` are the global inputs; each rank slices its block.
@@ -165,6 +175,7 @@ class Plan:
         """Run the plan on a simulated mesh (ranks as threads); returns the model's outputs,
         assembled to global tensors."""
         self._check_real(args, kwargs)
+        self._check_inputs(args, kwargs)
         results = run_simulated(self.mesh, lambda rank: (self.run_rank(rank, *args, **kwargs), list(current().trace)))
         self.last_trace = [r[1] for r in results]
         return self.assemble_outputs([r[0] for r in results])
@@ -186,6 +197,7 @@ class Plan:
         gradient})``; the loss is the model's output (its first element, or ``.loss``), summed
         if it is not a scalar."""
         self._check_real(args, kwargs)
+        self._check_inputs(args, kwargs)
         results = run_simulated(
             self.mesh, lambda rank: (*self.run_rank(rank, *args, grads=True, **kwargs), list(current().trace)))
         self.last_trace = [r[2] for r in results]
@@ -215,7 +227,8 @@ class Plan:
                 d = slice_dim_for(prog.use_placements[name], shape, mesh, self.data_axes[0])
                 zero1 = (self.data_axes[0], d) if d is not None else None
             slots.append(Slot(name, inp.kind, inp.target, prog.input_placements[i], prog.use_placements.get(name),
-                              prog.storage.get(name), inp.trainable, zero1, shape, dtype))
+                              prog.storage.get(name), inp.trainable, zero1, shape, dtype,
+                              val if inp.kind == "user" and shape is None else UNCHECKED))
         self._rank_spec = RankSpec(mesh, prog.graph_module, slots, list(self.data_axes), prog.reshard_tags,
                                    list(prog.buckets), cap.flatten_args,
                                    lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
@@ -250,6 +263,7 @@ class Plan:
         for s in steps:
             for mb in s:
                 self._check_real(mb, {})
+                self._check_inputs(mb, {})
         li = self.loss_index()
 
         def rank_fn(rank):
@@ -362,13 +376,16 @@ class Plan:
     def export(self, path, args=None, kwargs=None, **options):
         """Write this plan to the directory ``path``, runnable with
         ``torchrun --nproc-per-node=N path/run.py [--check] [--steps K]``. ``args``/``kwargs``:
-        example inputs (saved, and used for the ``--check`` references). Options: see
+        example inputs (saved, and used for the ``--check`` references); without them, the
+        inputs the plan was made from (when they are real tensors). Options: see
         :func:`autoshard.passes.export.export_plan`. Returns the directory's Path.
 
         Example::
 
-            plan.export("out/llama", args)   # then: torchrun --nproc-per-node=4 out/llama/run.py --check
+            plan.export("out/llama")   # then: torchrun --nproc-per-node=4 out/llama/run.py --check
         """
+        if args is None and kwargs is None and self.example_inputs is not None:
+            args, kwargs = self.example_inputs
         return export_plan(self, path, args, kwargs, **options)
 
     # ------------------------------------------------------------------ cost model (autoshard.cost)

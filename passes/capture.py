@@ -3,7 +3,8 @@
 Keeps parameter/buffer FQNs, ``nn_module_stack`` and ``stack_trace``; drops export-only nodes
 (``_assert_tensor_metadata`` and friends); rewrites mean-reduced cross-entropy into a sum over
 tokens divided by a count of valid tokens, so that a loss over a split batch is reduced globally
-(no hidden averaging). The user's module is never modified.
+(no hidden averaging). The user's module is never modified. Features a plan would not reproduce
+exactly are refused or warned about here (``passes/guards.py``).
 
 Example::
 
@@ -18,6 +19,7 @@ import contextlib
 import inspect
 import io
 import re
+import sys
 import time
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .decompose import decompose
+from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
 
@@ -108,13 +111,13 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     # pass it on only if the capture succeeds (then it is warnings the user should see)
     held = io.StringIO()
     try:
-        with contextlib.redirect_stderr(held):
+        with contextlib.redirect_stderr(held), watch_autograd_functions() as functions:
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
         raise capture_error(model, e, held.getvalue()) from None
     if held.getvalue():
-        import sys
         sys.stderr.write(held.getvalue())
+    refuse_autograd_functions(functions)  # their backward is not in the graph
     seconds = time.perf_counter() - t0
     graph = ep.graph
     for node in list(graph.nodes):
@@ -143,6 +146,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
             state[spec.target] = ep.constants[spec.target]
         else:
             inputs.append(Input(name, "user", next(user_paths, name)))
+    refuse_state_mutation(graph, inputs)  # each rank would update only its own copy
+    warn_dropout(graph)
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
     decompose(graph)
@@ -217,10 +222,13 @@ def _unlisted_aliases(params: dict, buffers: dict, inputs: list, state: dict) ->
 
 
 def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
-    """cross_entropy(mean) -> sum(cross_entropy(none)) / count(target != ignore_index).
+    """cross_entropy(mean) -> sum(cross_entropy(none)) / count.
 
-    Equal to torch's mean for unweighted losses; written out so a batch split across ranks sums
-    numerator and count globally instead of averaging per-rank means."""
+    The count is torch's divisor: the targets ``!= ignore_index`` for class-index targets, and
+    every position (``input.numel() / C``, one per row) for probability targets (a float target
+    shaped like the input), where ``ignore_index`` does not apply. Equal to torch's mean for
+    unweighted losses; written out so a batch split across ranks sums numerator and count
+    globally instead of averaging per-rank means."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != aten.cross_entropy_loss.default:
             continue
@@ -232,14 +240,21 @@ def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
         if reduction != 1 or weight is not None:
             continue  # sum/none reductions are already global-safe; weighted means fall back
         val = node.meta["val"]
+        xval, tval = x.meta["val"], target.meta["val"]
+        probs = tval.is_floating_point() and tval.dim() == xval.dim()
+        # the per-position loss: the input's shape without its class dim (dim 1, or 0 if 1-D)
+        pshape = tuple(xval.shape[:1]) + tuple(xval.shape[2:]) if xval.dim() > 1 else ()
         with graph.inserting_before(node):
             per = graph.call_function(aten.cross_entropy_loss.default, (x, target, None, 0, ignore, smoothing))
-            tval = target.meta["val"]
-            per.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=val.dtype, device=val.device))
+            per.meta = dict(node.meta, val=torch.empty(pshape, dtype=val.dtype, device=val.device))
             total = graph.call_function(aten.sum.default, (per,))
             total.meta = dict(node.meta, val=torch.empty((), dtype=val.dtype, device=val.device))
-            valid = graph.call_function(aten.ne.Scalar, (target, ignore))
-            valid.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=torch.bool, device=val.device))
+            if probs:
+                valid = graph.call_function(aten.ones_like.default, (per,), {"dtype": torch.int64})
+                valid.meta = dict(node.meta, val=torch.empty(pshape, dtype=torch.int64, device=val.device))
+            else:
+                valid = graph.call_function(aten.ne.Scalar, (target, ignore))
+                valid.meta = dict(node.meta, val=torch.empty(tval.shape, dtype=torch.bool, device=val.device))
             count = graph.call_function(aten.sum.default, (valid,))
             count.meta = dict(node.meta, val=torch.empty((), dtype=torch.int64, device=val.device))
             loss = graph.call_function(aten.div.Tensor, (total, count))

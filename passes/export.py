@@ -480,8 +480,12 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
     has_inputs = args is not None or kwargs is not None
     flat_user = plan.captured.flatten_args(args or (), kwargs or {}) if has_inputs else None
     meta_model = any(isinstance(t, torch.Tensor) and t.is_meta for t in plan.captured.state.values())
+    # why run.py will lack saved inputs / references (its error messages say so, and what to pass)
+    why_no_inputs = None if has_inputs else "the export was made without example inputs and the plan had none"
     if flat_user is not None and any(isinstance(t, torch.Tensor) and t.is_meta for t in flat_user):
         flat_user, has_inputs, args, kwargs = None, False, None, None  # shapes only; nothing to save
+        why_no_inputs = ("the plan's example inputs are on the meta device (shapes only); pass real ones: "
+                         "plan.export(path, args)")
     checkpoint = None
     if weights is not None:
         checkpoint = Path(weights).resolve()
@@ -492,6 +496,11 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
                           "(hint: pass weights=<checkpoint path>, a state dict saved with torch.save)")
     if reference is None:
         reference = has_inputs and not meta_model and _state_bytes(plan) <= REFERENCE_LIMIT_BYTES
+    why_no_reference = None if reference else (
+        "the model is on the meta device: references need a model with real weights" if meta_model else
+        why_no_inputs if not has_inputs else
+        "the model is over 2 GiB (references skipped)" if _state_bytes(plan) > REFERENCE_LIMIT_BYTES else
+        "the export was made with reference=False")
     if reference and (not has_inputs or meta_model):
         raise ExportError("references need example inputs and a model with real weights")
 
@@ -531,6 +540,7 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         doc = plan_json(plan, inputs_meta, weights_file=WEIGHTS,
                         checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
                         reference=ref_meta)
+        doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference}
         (tmp / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")

@@ -224,7 +224,9 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
     what = "inputs file"
     if path is None:
         if not doc.get("example_inputs"):
-            raise RunError("this export has no saved inputs (hint: run with --synthetic, or --inputs FILE)")
+            why = (doc.get("missing") or {}).get("inputs")
+            raise RunError("this export has no saved inputs" + (f": {why}" if why else "")
+                           + " (hint: run with --synthetic, or --inputs FILE)")
         path, what = root / doc["example_inputs"], "saved inputs file"
     data = _load(Path(path), what)
     flat = data.get("inputs") if isinstance(data, dict) else list(data) if isinstance(data, (list, tuple)) else None
@@ -408,8 +410,10 @@ def prepare(root: Path, args) -> dict:
             raise RunError("--check compares with references made from the exported weights (hint: drop --weights)")
         r = doc.get("reference")
         if not r:
-            raise RunError("this export has no references to check against (hint: export with example inputs "
-                           "and reference=True; models over 2 GiB skip them)")
+            why = (doc.get("missing") or {}).get("reference")
+            raise RunError("this export has no references to check against" + (f": {why}" if why else "")
+                           + " (hint: export a model with real weights and example inputs, reference=True; "
+                           "models over 2 GiB skip them)")
         ref = _load(root / r["file"], "reference file")
         if not isinstance(ref, dict) or "outputs" not in ref:
             raise RunError(f"reference file {root / r['file']} is corrupted (hint: export the plan again)")

@@ -373,12 +373,15 @@ def norm_rule(node: fx.Node) -> Indexing:
 
 
 def cross_entropy_rule(node: fx.Node) -> Indexing:
-    """cross_entropy_loss(input [N, C, ...], target [N, ...], reduction='none'): classes whole.
+    """cross_entropy_loss(input [N, C, ...], target [N, ...] or probabilities [N, C, ...],
+    reduction='none'): classes whole.
     (Mean reductions are rewritten at capture into sums and a global count.)"""
     shp = shape_of(node.args[0])
     letters = [None if s == 1 else f"d{i}" for i, s in enumerate(shp)]
     tgt = letters[:1] + letters[2:] if len(shp) > 1 else []
-    return Indexing([((0,), letters), ((1,), tgt)], [tgt], local=frozenset({letters[1]} - {None}) if len(shp) > 1 else frozenset())
+    # class-index targets are [N, ...]; probability targets are shaped like the input
+    tin = letters if len(shape_of(node.args[1])) == len(shp) else tgt
+    return Indexing([((0,), letters), ((1,), tin)], [tgt], local=frozenset({letters[1]} - {None}) if len(shp) > 1 else frozenset())
 
 
 def creation_rule(node: fx.Node) -> Indexing:

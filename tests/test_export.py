@@ -313,3 +313,63 @@ def test_quickstart_runs_end_to_end():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check passed: sharded plan equals the unsharded model" in proc.stdout
     assert "check passed: outputs and gradients equal the unsharded model's on all 4 ranks" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# export without args: the plan's own example inputs
+# ------------------------------------------------------------------------------------------------
+
+def test_export_without_args_saves_the_plans_example_inputs(tmp_path, monkeypatch):
+    plan, args = make_plan(DP_TP, train=True, zero_stage=3)
+    path = plan.export(tmp_path / "out")  # no args: the inputs the plan was made from
+    saved = torch.load(path / "inputs.pt", weights_only=True)["inputs"]
+    want = plan.captured.flatten_args(args, {})
+    assert len(saved) == len(want)
+    for s, w in zip(saved, want):
+        assert (s is None and w is None) or torch.equal(s, w)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    R.prepare(path, _args("--check", "--steps", "2"))  # what run.py --check needs is all there
+    per_rank = simulate_export(path, steps=2, check=True)
+    assert all(r["ok"] for r in per_rank), [r["problems"] for r in per_rank]
+    # the references come from eager single-device training on the same batch
+    model, _, _ = llama_tiny(with_labels=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eager = []
+    for _ in range(2):
+        loss = model(*args)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        eager.append(loss.item())
+    assert per_rank[0]["losses"] == pytest.approx(eager, rel=1e-5)
+
+
+def test_export_without_args_of_a_meta_model_says_what_to_pass(tmp_path, monkeypatch):
+    from examples.models import llama_8b_meta
+
+    model, args, dims = llama_8b_meta(num_layers=1, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_heads=4, num_kv_heads=2, batch=2, seq=8)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=dims,
+                               layout={"heads": "tp", "ffn": "tp"})
+    torch.save({k: torch.zeros(v.shape) for k, v in model.state_dict().items()}, tmp_path / "w.pt")
+    path = plan.export(tmp_path / "out", weights=tmp_path / "w.pt")
+    assert not (path / "inputs.pt").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(R.RunError, match=r"no saved inputs: the plan's example inputs are on the meta device.*"
+                                         r"plan\.export\(path, args\).*--synthetic"):
+        R.prepare(path, _args())
+    with pytest.raises(R.RunError, match=r"no saved inputs: the plan's example inputs are on the meta device"):
+        R.prepare(path, _args("--check"))
+    real = tuple(torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+    path = plan.export(tmp_path / "real_inputs", real, weights=tmp_path / "w.pt")
+    with pytest.raises(R.RunError, match="no references to check against: the model is on the meta device"):
+        R.prepare(path, _args("--check"))
+
+
+@pytest.mark.slow
+def test_torchrun_check_of_an_export_without_args(tmp_path):
+    plan, _ = make_plan(TP4)
+    path = plan.export(tmp_path / "out")
+    proc, _ = torchrun(path, 4, "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check passed: outputs equal the unsharded model's on all 4 ranks" in proc.stdout
