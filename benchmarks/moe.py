@@ -35,7 +35,7 @@ from examples.models import moe_tiny  # noqa: E402
 
 def build(n, kind, opts):
     model, args, dims = moe_tiny(experts="grouped", batch=opts.batch, seq=opts.seq, hidden_size=opts.hidden,
-                                 intermediate_size=2 * opts.hidden, num_heads=4, num_kv_heads=4,
+                                 intermediate_size=2 * opts.hidden, num_heads=4, num_kv_heads=2,
                                  num_experts=opts.experts, expert_size=opts.expert_size, num_layers=opts.layers,
                                  max_seq_len=opts.seq, with_labels=True)
     if kind == "ep":
@@ -72,24 +72,24 @@ def worker(rank, world, opts):
                 finally:
                     spent[0] += time.perf_counter() - t
             setattr(backend, name, timed)
-        ctx = rank_context(plan.mesh, rank, backend)
-        ctx.__enter__()
-        local = plan.build(rank)
-        opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
-        runs[kind] = (plan, args, ctx, local, opt, spent)
+        with rank_context(plan.mesh, rank, backend):
+            local = plan.build(rank)
+            opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
+        runs[kind] = (plan, args, backend, local, opt, spent)
         results[kind] = {"steps": [], "a2a": [], "predicted_step": plan.cost["step_time"],
                          "predicted_a2a": predicted_all_to_all(plan)}
 
     def step(kind):
-        plan, args, ctx, local, opt, spent = runs[kind]
+        plan, args, backend, local, opt, spent = runs[kind]
         torch.distributed.barrier()
-        spent[0] = 0.0
-        t = time.perf_counter()
-        loss = local(*args)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return time.perf_counter() - t, spent[0]
+        with rank_context(plan.mesh, rank, backend):  # one plan's context at a time
+            spent[0] = 0.0
+            t = time.perf_counter()
+            loss = local(*args)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return time.perf_counter() - t, spent[0]
 
     for kind in runs:
         step(kind)  # warm-up
@@ -99,8 +99,6 @@ def worker(rank, world, opts):
                 seconds, a2a = step(kind)
                 results[kind]["steps"].append(seconds)
                 results[kind]["a2a"].append(a2a)
-    for kind in runs:
-        runs[kind][2].__exit__(None, None, None)
     return results if rank == 0 else None
 
 
