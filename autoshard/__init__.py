@@ -21,6 +21,8 @@ _FACADE = {
     "Plan": "autoshard.plan",
     "LayoutError": "autoshard.passes.spmd",
     "UnsupportedOpWarning": "autoshard.passes.spmd",
+    "consolidate": "autoshard.runtime.checkpoint",
+    "CheckpointError": "autoshard.runtime.checkpoint",
 }
 
 __all__ = ["Mesh", *_FACADE]

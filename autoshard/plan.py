@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
+from .runtime import checkpoint
 from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
@@ -232,6 +233,37 @@ class Plan:
             if kept in params:
                 params[alias] = params[kept]
         return results[0][0], params
+
+    # ------------------------------------------------------------------ checkpoints (runtime.checkpoint)
+    def checkpoint_info(self) -> dict:
+        """What a checkpoint records about the model: tied aliases and its state dict's keys
+        (so :func:`autoshard.consolidate` returns exactly what ``load_state_dict`` expects)."""
+        return {"model": type(self.model).__name__, "aliases": dict(self.captured.aliases),
+                "state_dict_keys": list(self.model.state_dict().keys())}
+
+    def save_checkpoint(self, local: LocalModule, optimizer, path, *, step=None, extra=None):
+        """Write this rank's pieces of parameters, buffers and optimizer state to the
+        checkpoint directory ``path`` with torch.distributed.checkpoint; call on every rank
+        inside its rank context. Atomic: a save killed mid-way never loads. See
+        :mod:`autoshard.runtime.checkpoint`.
+
+        Example::
+
+            plan.save_checkpoint(local, opt, "ckpt/step-2", step=2)
+        """
+        return checkpoint.save(local, optimizer, path, step=step, extra=extra, info=self.checkpoint_info())
+
+    def load_checkpoint(self, local: LocalModule, optimizer, path, *, strict: bool = True) -> dict:
+        """Load this rank's pieces from a checkpoint written under any plan (another mesh,
+        layout or ZeRO stage); returns its manifest (``step``, ``extra``). Fails with one line
+        naming the first missing or mis-shaped tensor, or saying the checkpoint is incomplete.
+
+        Example::
+
+            local = plan.build(rank); opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
+            step = plan.load_checkpoint(local, opt, "ckpt/step-2")["step"]
+        """
+        return checkpoint.load(local, optimizer, path, strict=strict)
 
     def state_bytes(self, optimizer_states: int = 2) -> dict:
         """Predicted bytes of parameters, gradients and optimizer state per rank, from the
