@@ -20,6 +20,7 @@ from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
 from .runtime import checkpoint
+from .runtime.clip import clip_grad_norm_
 from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
@@ -188,10 +189,22 @@ class Plan:
         """
         return ShardedOptimizer(local, lambda params: optimizer_cls(params, **kwargs))
 
-    def simulate_train(self, batches, optimizer=None, microbatches: int = 1):
+    def clip_grad_norm_(self, local: LocalModule, max_norm: float) -> float:
+        """Clip ``local``'s gradients to the global 2-norm ``max_norm`` over every shard and mesh
+        axis, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; returns the norm.
+        Call on every rank after backward (see :mod:`autoshard.runtime.clip`).
+
+        Example::
+
+            loss.backward(); plan.clip_grad_norm_(local, 1.0); opt.step()
+        """
+        return clip_grad_norm_(local, max_norm)
+
+    def simulate_train(self, batches, optimizer=None, microbatches: int = 1, clip_grad_norm=None):
         """Train on the simulated mesh: one step per element of ``batches`` (an argument
         tuple; with ``microbatches=k`` a list of k tuples whose gradients accumulate, each loss
-        scaled by 1/k, communicating on the data axes only in the last one). Returns
+        scaled by 1/k, communicating on the data axes only in the last one); ``clip_grad_norm``:
+        clip to that global gradient norm before each step. Returns
         ``(per-step losses, {param FQN: full parameter after the last step})``.
 
         Example::
@@ -220,6 +233,8 @@ class Plan:
                         loss = local.run_flat(self.captured.flatten_args(tuple(mb), {}))[li]
                         (loss / len(step)).backward()
                     total += loss.item() / len(step)
+                if clip_grad_norm is not None:
+                    clip_grad_norm_(local, clip_grad_norm)
                 opt.step()
                 opt.zero_grad()
                 losses.append(total)
