@@ -21,6 +21,9 @@ _FACADE = {
     "Plan": "autoshard.plan",
     "LayoutError": "autoshard.passes.spmd",
     "UnsupportedOpWarning": "autoshard.passes.spmd",
+    "UnsupportedModelError": "autoshard.passes.guards",
+    "DropoutWarning": "autoshard.passes.guards",
+    "InputMismatchError": "autoshard.runtime.inputs",
     "consolidate": "autoshard.runtime.checkpoint",
     "CheckpointError": "autoshard.runtime.checkpoint",
 }

@@ -23,7 +23,7 @@ from .runtime import checkpoint
 from .runtime.clip import clip_grad_norm_
 from .runtime.context import current
 from .ownership import slice_dim_for
-from .runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
+from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
 from autoshard.cost.report import alternatives, cost_report, explain
 from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
@@ -78,6 +78,14 @@ class Plan:
                 raise ValueError("this plan was made from a model on the meta device: it can be inspected and "
                                  "exported, not simulated; build the model with real weights to simulate")
 
+    def _check_inputs(self, args, kwargs):
+        """InputMismatchError unless the inputs match the planned ones (before any rank starts:
+        one error, not one per rank; LocalModule checks them again in real runs)."""
+        users = iter(self.captured.flatten_args(args, kwargs))
+        for slot in self.rank_spec().slots:
+            if slot.kind == "user":
+                check_slot(slot, next(users))
+
     def run_rank(self, rank: int, *args, grads: bool = False, **kwargs):
         """Run this rank's program inside the current rank context (simulated thread or a
         torch.distributed process). ``args`` are the global inputs; each rank slices its block.
@@ -122,6 +130,7 @@ class Plan:
         """Run the plan on a simulated mesh (ranks as threads); returns the model's outputs,
         assembled to global tensors."""
         self._check_real(args, kwargs)
+        self._check_inputs(args, kwargs)
         results = run_simulated(self.mesh, lambda rank: (self.run_rank(rank, *args, **kwargs), list(current().trace)))
         self.last_trace = [r[1] for r in results]
         return self.assemble_outputs([r[0] for r in results])
@@ -143,6 +152,7 @@ class Plan:
         gradient})``; the loss is the model's output (its first element, or ``.loss``), summed
         if it is not a scalar."""
         self._check_real(args, kwargs)
+        self._check_inputs(args, kwargs)
         results = run_simulated(
             self.mesh, lambda rank: (*self.run_rank(rank, *args, grads=True, **kwargs), list(current().trace)))
         self.last_trace = [r[2] for r in results]
@@ -172,7 +182,8 @@ class Plan:
                 d = slice_dim_for(prog.use_placements[name], shape, mesh, self.data_axes[0])
                 zero1 = (self.data_axes[0], d) if d is not None else None
             slots.append(Slot(name, inp.kind, inp.target, prog.input_placements[i], prog.use_placements.get(name),
-                              prog.storage.get(name), inp.trainable, zero1, shape, dtype))
+                              prog.storage.get(name), inp.trainable, zero1, shape, dtype,
+                              val if inp.kind == "user" and shape is None else UNCHECKED))
         self._rank_spec = RankSpec(mesh, prog.graph_module, slots, list(self.data_axes), prog.reshard_tags,
                                    list(prog.buckets), cap.flatten_args,
                                    lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
@@ -219,6 +230,7 @@ class Plan:
         for s in steps:
             for mb in s:
                 self._check_real(mb, {})
+                self._check_inputs(mb, {})
         li = self.loss_index()
 
         def rank_fn(rank):

@@ -19,6 +19,7 @@ from .hardware import PRESETS, DeviceSpec, Hardware, LinkSpec, load_hardware, no
 from .memory import ModelState, activation_bytes, kv_cache_bytes, model_state_bytes
 from .pipeline import bubble_fraction, bubble_overhead
 from .experts import tokens_per_expert
+from .context import ContextEstimate, causal_pairs_per_rank, context_parallel_estimate, online_softmax_merge
 
 __all__ = [
     # hardware
@@ -35,6 +36,8 @@ __all__ = [
     "bubble_fraction", "bubble_overhead",
     # expert parallelism
     "tokens_per_expert",
+    # context parallelism
+    "online_softmax_merge", "causal_pairs_per_rank", "context_parallel_estimate", "ContextEstimate",
 ]
 
 # Graph cost model, layout search and calibration (see cost/model.py, cost/search.py).

@@ -3,7 +3,8 @@
 Keeps parameter/buffer FQNs, ``nn_module_stack`` and ``stack_trace``; drops export-only nodes
 (``_assert_tensor_metadata`` and friends); rewrites mean-reduced cross-entropy into a sum over
 tokens divided by a count of valid tokens, so that a loss over a split batch is reduced globally
-(no hidden averaging). The user's module is never modified.
+(no hidden averaging). The user's module is never modified. Features a plan would not reproduce
+exactly are refused or warned about here (``passes/guards.py``).
 
 Example::
 
@@ -24,6 +25,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .decompose import decompose
+from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
 
@@ -90,9 +92,11 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with watch_autograd_functions() as functions:
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # export errors are long; keep the cause and say what failed
         raise RuntimeError(f"autoshard: torch.export could not capture {type(model).__name__}: {e}") from e
+    refuse_autograd_functions(functions)  # their backward is not in the graph
     seconds = time.perf_counter() - t0
     graph = ep.graph
     for node in list(graph.nodes):
@@ -121,6 +125,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
             state[spec.target] = ep.constants[spec.target]
         else:
             inputs.append(Input(name, "user", next(user_paths, name)))
+    refuse_state_mutation(graph, inputs)  # each rank would update only its own copy
+    warn_dropout(graph)
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
     decompose(graph)

@@ -64,3 +64,182 @@ def test_cross_entropy_class_targets_still_exact():
     plan = autoshard.autoshard(model, (x, target), mesh=Mesh({"dp": 2}),
                                dims={"x": "batch hidden", "target": "batch"}, layout={"batch": "dp"})
     assert_exact(plan, model, (x, target))
+
+
+# ----------------------------------------------------------------- 2. inputs other than the planned ones
+class PerSample(nn.Module):
+    """Divides by the batch size read from the input's shape, scales by a Python scalar, and
+    branches on a Python bool: all three are fixed in the captured program."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, scale, flag=True):
+        y = self.proj(x) * scale
+        if flag:
+            y = y + 1
+        return y.sum() / x.shape[0]
+
+
+def _per_sample_plan():
+    torch.manual_seed(3)
+    model = PerSample()
+    x = torch.randn(4, 4)
+    plan = autoshard.autoshard(model, (x, 2.0, True), mesh=Mesh({"dp": 2}), dims={"x": "batch h"},
+                               layout={"batch": "dp"})
+    return model, x, plan
+
+
+@pytest.mark.parametrize("call,pattern", [
+    ((torch.randn(8, 4), 2.0, True), r"input x has shape \(8, 4\); the plan was made for shape \(4, 4\)"),
+    ((torch.randn(4, 4, dtype=torch.float64), 2.0, True), r"input x has dtype float64; the plan was made for float32"),
+    ((torch.randn(4, 4), 3.0, True), r"input scale is 3.0; the plan was made for 2.0"),
+    ((torch.randn(4, 4), 2.0, False), r"input flag is False; the plan was made for True"),
+    ((torch.randn(4, 4), 2, True), r"input scale is 2; the plan was made for 2.0"),
+    ((torch.randn(4, 4), torch.tensor(2.0), True), r"input scale is a tensor of shape \(\); the plan was made for "
+                                                   r"the value 2.0"),
+])
+def test_other_inputs_than_planned_are_refused(call, pattern):
+    model, x, plan = _per_sample_plan()
+    assert_exact(plan, model, (x, 2.0, True))  # the planned inputs are exact
+    for run in (plan.simulate, plan.simulate_grads):
+        with pytest.raises(autoshard.InputMismatchError, match=pattern) as e:
+            run(*call)
+        assert "\n" not in str(e.value)
+    with pytest.raises(autoshard.InputMismatchError, match=pattern):
+        plan.simulate_train([call])
+
+
+def test_other_inputs_refused_in_run_rank():
+    """run_rank (what a real process calls) checks too, inside the rank context."""
+    from autoshard.runtime import run_simulated
+    _, _, plan = _per_sample_plan()
+    with pytest.raises(autoshard.InputMismatchError, match="input x has shape"):
+        run_simulated(plan.mesh, lambda rank: plan.run_rank(rank, torch.randn(8, 4), 2.0, True))
+
+
+# ----------------------------------------------------------------- 3. custom autograd Functions
+class Times2(torch.autograd.Function):
+    """Forward doubles; the custom backward scales by 7 (so a dropped backward is visible)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 7
+
+
+class WithFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Times2.apply(self.proj(x)).sum()
+
+
+def test_custom_autograd_function_is_refused():
+    model = WithFunction()
+    with pytest.raises(autoshard.UnsupportedModelError,
+                       match=r"custom autograd Function Times2 \(at test_exact_inputs.py:\d+\)") as e:
+        autoshard.autoshard(model, (torch.randn(2, 4),), mesh=Mesh({"dp": 2}), dims={"x": "batch h"},
+                            layout={"batch": "dp"})
+    assert "\n" not in str(e.value)
+    # the Function is restored: eager still runs the custom backward
+    x = torch.randn(2, 4, requires_grad=True)
+    Times2.apply(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2, 4), 7.0))
+
+
+def test_custom_autograd_function_without_gradients_is_exact():
+    """Applied to values that need no gradient (an input) its backward never runs."""
+    class NoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(Times2.apply(x)).sum()
+
+    torch.manual_seed(4)
+    model, x = NoGrad(), torch.randn(4, 4)
+    plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 2}), dims={"x": "batch h"}, layout={"batch": "dp"})
+    assert_exact(plan, model, (x,))
+
+
+# ----------------------------------------------------------------- 4. in-place buffer updates
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return (self.proj(x) * self.calls).sum()
+
+
+class BN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.proj(x)).square().sum()
+
+
+@pytest.mark.parametrize("model,pattern", [
+    (Counter(), r"forward updates the buffer calls in place \(add_.Tensor in module <root> at test_exact_inputs.py:\d+\)"),
+    (BN().train(), r"forward updates the buffer bn\.\w+ in place \(\w+(\.\w+)? in module bn at test_exact_inputs.py:\d+\)"),
+])
+def test_buffer_mutation_is_refused(model, pattern):
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    with pytest.raises(autoshard.UnsupportedModelError, match=pattern) as e:
+        autoshard.autoshard(model, (torch.randn(4, 4),), mesh=Mesh({"dp": 2}), dims={"x": "batch h"},
+                            layout={"batch": "dp"})
+    assert "\n" not in str(e.value)
+    for n, b in model.named_buffers():  # planning never touched the model's state
+        torch.testing.assert_close(b, before[n])
+
+
+def test_batchnorm_in_eval_mode_is_exact():
+    torch.manual_seed(5)
+    model = BN().eval()
+    model.bn.running_mean.normal_()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 4)
+    plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 2}), dims={"x": "batch h"}, layout={"batch": "dp"})
+    assert_exact(plan, model, (x,))
+
+
+# ----------------------------------------------------------------- 5. dropout in training mode
+class Drop(nn.Module):
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.proj(x)).sum()
+
+
+def test_train_mode_dropout_warns():
+    with pytest.warns(autoshard.DropoutWarning, match=r"dropout in training mode \(module drop at "
+                                                      r"test_exact_inputs.py:\d+\)"):
+        autoshard.autoshard(Drop().train(), (torch.randn(4, 4),), mesh=Mesh({"dp": 2}), dims={"x": "batch h"},
+                            layout={"batch": "dp"})
+
+
+@pytest.mark.parametrize("model", [Drop().eval(), Drop(p=0.0).train()])
+def test_inactive_dropout_is_silent_and_exact(model):
+    import warnings
+    torch.manual_seed(6)
+    x = torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoshard.DropoutWarning)
+        plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 2}), dims={"x": "batch h"}, layout={"batch": "dp"})
+    assert_exact(plan, model, (x,))

@@ -40,6 +40,9 @@ from ..ownership import ParamStorage, Replicate, held_fraction, local_piece, loc
 from .buckets import GradBuckets
 from .collectives import all_gather, reshard_after_forward
 from .context import current, trace_phase
+from .inputs import check_input
+
+UNCHECKED = object()  # Slot.value when the planned Python value is not known (not checked)
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state:
 # their step on a shard equals the matching slice of the step on the whole tensor.
@@ -62,6 +65,7 @@ class Slot:
     zero1: tuple | None = None  # (axis, dim) of ZeRO-1's optimizer slice
     shape: tuple | None = None  # global shape; None for a non-tensor value
     dtype: torch.dtype = torch.float32
+    value: object = UNCHECKED  # a non-tensor user input: the planned Python value (checked per call)
 
 
 @dataclass
@@ -78,6 +82,13 @@ class RankSpec:
     flatten: Callable | None = None  # (args, kwargs) -> flat user inputs
     unflatten: Callable | None = None  # flat outputs -> the model's output structure
     reduce_dtype: torch.dtype | None = None  # mixed precision: gradient sums run in this dtype
+
+
+def check_slot(slot: Slot, value) -> None:
+    """Raise ``InputMismatchError`` unless a user input matches the planned one: the program is
+    only right for the planned shapes and Python values (mixed precision casts floats)."""
+    if slot.shape is not None or slot.value is not UNCHECKED:
+        check_input(slot.target, value, slot.shape, slot.dtype, slot.value, cast_floats=slot.dtype in LOW_PRECISION)
 
 
 class LocalModule(nn.Module):
@@ -132,6 +143,7 @@ class LocalModule(nn.Module):
         for slot in self.spec.slots:
             if slot.kind == "user":
                 v = next(users)
+                check_slot(slot, v)
                 if isinstance(v, torch.Tensor):
                     # floating inputs take the program's dtype (mixed precision: the parameters')
                     dtype = slot.dtype if v.is_floating_point() and slot.shape is not None else v.dtype
