@@ -39,6 +39,8 @@ from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.clip import clip_grad_norm_
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -595,8 +597,6 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
     option is given; else the token source, the checkpoint to resume and the schedule."""
     if not uses_training_loop(args):
         return {}
-    from autoshard.runtime import checkpoint as ckpt
-
     if args.steps <= 0:
         raise RunError("the training loop options (--data, --ckpt, --resume, --lr-schedule, ...) need --steps N > 0")
     if args.check:
@@ -679,8 +679,6 @@ class TokenData:
     def batch(self, pos: int, mesh, rank: int):
         """(flat user inputs, next position): each token input is a global-shaped tensor in which
         only this rank's block was read from the file (the rest is never looked at)."""
-        from autoshard.runtime.checkpoint import block_region
-
         if pos + self.per_batch > self.n:
             pos = 0  # next epoch
         chunk = self.tokens[pos:pos + self.per_batch].reshape(self.shape)  # a view: nothing read yet
@@ -695,7 +693,7 @@ class TokenData:
             key = tuple(m["_place"])
             if key not in cache:
                 g = torch.zeros(self.shape, dtype=m["_dtype"])
-                region = block_region(self.shape, m["_place"], mesh, rank)
+                region = ckpt.block_region(self.shape, m["_place"], mesh, rank)
                 if region is not None:
                     index = tuple(slice(o, o + n) for o, n in zip(*region))
                     block = chunk[index]
@@ -726,9 +724,6 @@ def lr_factor(schedule: dict, total: int):
 def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     """``args.steps`` training steps of one rank inside its rank context, with the loop's data,
     schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``)."""
-    from autoshard.runtime import checkpoint as ckpt
-    from autoshard.runtime.clip import clip_grad_norm_
-
     doc, mesh = rp.doc, rp.mesh
     rp.make_optimizer(args.optimizer, args.lr)
     opt, start, pos, schedule, manifest = rp.opt, 0, 0, dict(loop["schedule"]), None
