@@ -19,12 +19,13 @@ from torch.utils import _pytree as pytree
 from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
-from .runtime import checkpoint
+from .runtime import checkpoint as dist_checkpoint
 from .runtime.clip import clip_grad_norm_
 from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
 from autoshard.cost.report import alternatives, cost_report, explain
+from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
 
@@ -42,6 +43,7 @@ class Plan:
     last_trace: list = field(default_factory=list)  # per-rank CollectiveRecords of the last simulation
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
+    checkpoint: list = field(default_factory=list)  # blocks recomputed in backward (activation checkpointing)
     _rank_spec: object = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
     example_inputs: object = field(default=None, repr=False)
@@ -184,7 +186,11 @@ class Plan:
             slots.append(Slot(name, inp.kind, inp.target, prog.input_placements[i], prog.use_placements.get(name),
                               prog.storage.get(name), inp.trainable, zero1, shape, dtype,
                               val if inp.kind == "user" and shape is None else UNCHECKED))
-        self._rank_spec = RankSpec(mesh, prog.graph_module, slots, list(self.data_axes), prog.reshard_tags,
+        forward = prog.graph_module
+        if self.checkpoint:
+            users = {i.name for i in cap.inputs if i.kind == "user"}
+            forward = checkpoint_blocks(forward, users, set(self.checkpoint))[0]
+        self._rank_spec = RankSpec(mesh, forward, slots, list(self.data_axes), prog.reshard_tags,
                                    list(prog.buckets), cap.flatten_args,
                                    lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
                                    getattr(self, "reduce_dtype", None))
@@ -278,7 +284,7 @@ class Plan:
 
             plan.save_checkpoint(local, opt, "ckpt/step-2", step=2)
         """
-        return checkpoint.save(local, optimizer, path, step=step, extra=extra, info=self.checkpoint_info())
+        return dist_checkpoint.save(local, optimizer, path, step=step, extra=extra, info=self.checkpoint_info())
 
     def load_checkpoint(self, local: LocalModule, optimizer, path, *, strict: bool = True) -> dict:
         """Load this rank's pieces from a checkpoint written under any plan (another mesh,
@@ -290,7 +296,7 @@ class Plan:
             local = plan.build(rank); opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
             step = plan.load_checkpoint(local, opt, "ckpt/step-2")["step"]
         """
-        return checkpoint.load(local, optimizer, path, strict=strict)
+        return dist_checkpoint.load(local, optimizer, path, strict=strict)
 
     def state_bytes(self, optimizer_states: int = 2) -> dict:
         """Predicted bytes of parameters, gradients and optimizer state per rank, from the

@@ -294,6 +294,7 @@ class Segment:
     items: list = field(default_factory=list)
     saved_bytes: int = 0  # activations saved for backward
     max_act_bytes: int = 0
+    boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/checkpoint.py)
 
     def key(self):
         return (tuple(x if isinstance(x, tuple) else x.key() for x in self.items), self.saved_bytes,
@@ -496,6 +497,7 @@ class PlanCost:
     zero_stage: int = 0
     counts: dict = field(default_factory=dict)  # (axis, phase, kind) -> number of collectives
     volume: dict = field(default_factory=dict)  # (axis, phase, kind) -> bytes sent per rank
+    checkpoint: bool = False  # repeated blocks recomputed in backward (activation checkpointing)
 
     @property
     def comm_exposed(self) -> float:

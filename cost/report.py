@@ -12,6 +12,7 @@ import torch
 
 from autoshard.ownership import local_shape
 
+from .checkpoint import checkpointed_program_cost
 from .model import PlanCost, formula_text, program_cost, resolve_cost_model
 
 __all__ = ["CostReport", "plan_cost", "cost_report", "explain", "alternatives", "describe_layout"]
@@ -65,9 +66,10 @@ def plan_cost(plan) -> PlanCost:
     cap = plan.captured
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
     bucket_mb = getattr(plan, "bucket_mb", 25.0)
-    cost = program_cost(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
-                        zero_stage=plan.zero_stage, data_axes=plan.data_axes,
-                        bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
+    fn = checkpointed_program_cost if getattr(plan, "checkpoint", None) else program_cost
+    cost = fn(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
+              zero_stage=plan.zero_stage, data_axes=plan.data_axes,
+              bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
     try:
         plan._autoshard_cost = cost
     except AttributeError:  # pragma: no cover

@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import units
-from .backend import check_divisible
+from .backend import Pending, check_divisible
 from .context import CollectiveRecord, RankContext, activate, current, current_or_none
 
 
@@ -108,6 +108,12 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
         return x.clone() if ctx.coord(axis) == 0 else torch.zeros_like(x)
     if primitive == "reduce_scatter" or primitive == "all_to_all":
         check_divisible(x, axis, dims[0], n, op if op == primitive else f"{op} ({primitive})")
+    if n == 1 and primitive in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        # A group of one: the sum, gather or exchange is the input itself. No backend call
+        # (nothing to wait for), one copy (the output must not alias the input, as above).
+        ctx.trace.append(CollectiveRecord(kind=primitive, axis=axis, bytes=x.numel() * x.element_size(), phase=phase,
+                                          tag=tag, op=op, shape=tuple(x.shape), dtype=x.dtype))
+        return x.clone()
     return _call_backend(ctx, primitive, primitive, x, axis, dims, op, tag, phase)
 
 
@@ -138,6 +144,8 @@ def _start(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, op: str
     """Issue a dim-0 all-gather / reduce-scatter of a flat buffer without waiting (a backend
     that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it at the
     same point of the program, so the order of collectives stays the same on all ranks."""
+    if ctx.mesh.axis_size(axis) == 1:
+        return Pending(_run(ctx, primitive, x, axis, (0,), op, tag, phase))  # a group of one: done
     return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase)
 
 
@@ -573,10 +581,7 @@ class _GatherUnit(torch.autograd.Function):
         leaves = fctx.leaves
         grads = [g.detach() if g is not None else torch.zeros(shape, dtype=dt)
                  for g, shape, dt in zip(grads, fctx.full_shapes, fctx.dtypes)]
-        flat = units.pack_grads(grads, fctx.dims, n)
-        wide = reduce_dtype_for(rctx, flat)
-        if wide is not None:
-            flat = flat.to(wide)
+        flat = units.pack_grads(grads, fctx.dims, n, dtype=reduce_dtype_for(rctx, grads[0]))
         none = (None,) * 4
         key = ("gather_unit", fctx.tag, axis)
         if axis in rctx.defer_axes:
