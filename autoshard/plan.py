@@ -51,10 +51,13 @@ class Plan:
     # ------------------------------------------------------------------ inspection
     @property
     def layout(self) -> dict:
-        """{logical dim name: tuple of mesh axes} for every user-named dim."""
+        """{logical dim name: tuple of mesh axes} for every user-named dim; a soft entry's axes
+        end in ``?`` (``("tp?",)``)."""
         out = {name: () for name in sorted(set(self.info.names.values()))}
         for name, axes in self.resolved.assignment.items():
             out[name] = tuple(axes)
+        for name, axes in getattr(self.resolved, "soft_assignment", {}).items():
+            out[name] = tuple(a + "?" for a in axes)  # soft: where the axis is free (passes/soft.py)
         return out
 
     @property
