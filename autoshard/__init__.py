@@ -24,12 +24,9 @@ _FACADE = {
     "UnsupportedModelError": "autoshard.passes.guards",
     "DropoutWarning": "autoshard.passes.guards",
     "InputMismatchError": "autoshard.runtime.inputs",
-<<<<<<< HEAD
+    "CaptureError": "autoshard.passes.export_errors",
     "consolidate": "autoshard.runtime.checkpoint",
     "CheckpointError": "autoshard.runtime.checkpoint",
-=======
-    "CaptureError": "autoshard.passes.export_errors",
->>>>>>> main
 }
 
 __all__ = ["Mesh", *_FACADE]
