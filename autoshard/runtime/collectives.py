@@ -59,6 +59,10 @@ ADJOINTS: dict[str, Adjoint] = {
     "shard_slice":        Adjoint("slice",          "all_gather"),      # Replicate -> Shard(d)
     "all_to_all":         Adjoint("all_to_all",     "all_to_all"),      # Shard(g) -> Shard(s), reversed backward
     "to_partial":         Adjoint("keep_first",     "identity"),        # Replicate -> Partial
+    # A value gathered once for varying readers (all_gather_varying) also read by replicated
+    # work: that work's gradient is whole and identical on every rank, so rank 0 keeps it and
+    # the gather's backward reduce-scatter counts it once (sequence parallelism, tp > kv heads).
+    "replicated_use":     Adjoint("identity",       "keep_first"),      # Replicate, replicated use
     # ZeRO-2: a parameter shard read through the full copy kept since the last optimizer step.
     "use_persistent":     Adjoint("identity",       "reduce_scatter"),  # Shard(d) -> Replicate, varying use
     # ZeRO-3 / FSDP unit: all_gather_varying of several parameters in one flat buffer.
@@ -319,6 +323,19 @@ def to_partial(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tens
         bias_p = to_partial(bias, "tp")    # added to a partial sum, counted once after all_reduce
     """
     return _apply("to_partial", x, axis, (), tag)
+
+
+def replicated_use(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+    """A gathered value (``all_gather_varying``) read by replicated work: identity forward;
+    backward keeps the (identical) gradient on axis index 0 and zeros elsewhere, so the gather's
+    reduce-scatter adds it once.
+
+    Example::
+
+        x_full = all_gather_varying(x_rows, "tp", 1)    # read by column-parallel q_proj ...
+        k = replicated_use(x_full, "tp") @ w_k.T         # ... and by a whole k_proj
+    """
+    return _apply("replicated_use", x, axis, (), tag)
 
 
 def use_persistent(shard: torch.Tensor, full: torch.Tensor, axis: str, dim: int,
@@ -633,6 +650,7 @@ COLLECTIVES = {
     "shard_slice": shard_slice,
     "all_to_all": all_to_all,
     "to_partial": to_partial,
+    "replicated_use": replicated_use,
     "use_persistent": use_persistent,
     "gather_unit": gather_unit,
     "dispatch": dispatch,
