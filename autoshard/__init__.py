@@ -21,10 +21,12 @@ _FACADE = {
     "Plan": "autoshard.plan",
     "LayoutError": "autoshard.passes.spmd",
     "UnsupportedOpWarning": "autoshard.passes.spmd",
-    "CaptureError": "autoshard.passes.capture",
     "UnsupportedModelError": "autoshard.passes.guards",
     "DropoutWarning": "autoshard.passes.guards",
     "InputMismatchError": "autoshard.runtime.inputs",
+    "CaptureError": "autoshard.passes.export_errors",
+    "consolidate": "autoshard.runtime.checkpoint",
+    "CheckpointError": "autoshard.runtime.checkpoint",
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -15,11 +15,7 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
-import re
-import sys
 import time
 from dataclasses import dataclass
 
@@ -29,6 +25,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .decompose import decompose
+from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
@@ -91,32 +88,12 @@ def _user_input_paths(args, kwargs, arg_names) -> list[str]:
     return out
 
 
-class CaptureError(RuntimeError):
-    """torch.export could not capture the model. One line: the model, the source line export
-    stopped at, the cause, and a hint; torch's full report (often hundreds of lines, with the
-    partial graph) is kept on ``.export_error`` and ``.export_output`` instead of printed."""
-
-    def __init__(self, message, export_error=None, export_output=""):
-        super().__init__(message)
-        self.export_error = export_error
-        self.export_output = export_output
-
-
 def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
-    """Export ``model(*args, **kwargs)`` and return a cleaned graph plus input metadata.
-    Raises :class:`CaptureError` (one line with a hint) when torch.export fails."""
+    """Export ``model(*args, **kwargs)`` and return a cleaned graph plus input metadata."""
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
-    # torch.export prints the partial graph to stderr when it fails; hold its output back and
-    # pass it on only if the capture succeeds (then it is warnings the user should see)
-    held = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(held), watch_autograd_functions() as functions:
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-    except Exception as e:
-        raise capture_error(model, e, held.getvalue()) from None
-    if held.getvalue():
-        sys.stderr.write(held.getvalue())
+    with watch_autograd_functions() as functions:
+        ep = export_program(model, args, kwargs)  # CaptureError: one line naming the cause and source line
     refuse_autograd_functions(functions)  # their backward is not in the graph
     seconds = time.perf_counter() - t0
     graph = ep.graph
@@ -155,40 +132,6 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     graph.eliminate_dead_code()
     graph.lint()
     return Captured(graph, inputs, state, ep.call_spec.in_spec, ep.call_spec.out_spec, seconds, arg_names, aliases)
-
-
-def capture_error(model, error: Exception, output: str = "") -> CaptureError:
-    """One-line :class:`CaptureError` for a failed torch.export: where it stopped (the last
-    frame export names, "File ..., line N" with its code), the first line of the cause, and what
-    usually works instead.
-
-    Example::
-
-        >>> capture_error(torch.nn.Linear(2, 2), RuntimeError("boom")).args[0][:60]
-        'autoshard: torch.export could not capture Linear: boom (hint'
-    """
-    text = str(error)
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(error).__name__)
-    first = re.sub(r"^Consider annotating your code using torch._check\*\(\)\. ", "", first)
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', text)
-    where = ""
-    if frames:
-        path, line, code = frames[-1]
-        where = f" at {path.rsplit('/', 1)[-1]}:{line} ({code.strip()})"
-    config = getattr(model, "config", None)
-    data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(error).__name__
-    # transformers keeps the chosen kernel on config._experts_implementation ("eager" loops)
-    experts = getattr(config, "_experts_implementation", getattr(config, "experts_implementation", None))
-    if data_dependent and experts not in (None, "grouped_mm", "batched_mm"):
-        hint = ("this Mixture-of-Experts model loops over the experts that received tokens; build it with "
-                "experts_implementation=\"grouped_mm\" or \"batched_mm\" in its config, which export captures")
-    elif data_dependent:
-        hint = ("control flow or a shape depends on tensor values; write it without branching on data (masks, "
-                "fixed shapes), or add torch._check(...) as the error suggests")
-    else:
-        hint = "run torch.export.export(model, args, kwargs, strict=False) to see torch's full report"
-    return CaptureError(f"autoshard: torch.export could not capture {type(model).__name__}{where}: {first} "
-                        f"(hint: {hint}; torch's full report is on the exception's .export_error)", error, output)
 
 
 def _merge_tied(graph: fx.Graph, inputs: list, state: dict) -> dict:

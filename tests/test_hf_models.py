@@ -145,9 +145,9 @@ def test_a_capture_failure_is_one_line_with_a_way_forward(capfd):
         autoshard.autoshard(model, (), kwargs, mesh=Mesh({"dp": 2}), dims=arch.all_dims, layout={"batch": "dp"})
     msg = str(e.value)
     assert "\n" not in msg, msg
-    assert "MixtralForCausalLM at modeling_mixtral.py:" in msg and "expert_hit" in msg, msg
+    assert "MixtralForCausalLM" in msg and "modeling_mixtral.py:" in msg and "expert_hit" in msg, msg
     assert 'experts_implementation="grouped_mm" or "batched_mm"' in msg, msg
-    assert e.value.__suppress_context__ and e.value.export_error is not None
+    assert e.value.__suppress_context__
     out, err = capfd.readouterr()
     assert "def forward" not in out + err and len((out + err).splitlines()) < 5, (out + err)[:500]
 
