@@ -367,10 +367,10 @@ class SearchSpace:
         self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
         self.train = train
         self.memory_limit = memory_limit
-        # Soft entries (sequence parallelism, token rows where an axis is free) are explored when
-        # activations may not fit (a memory limit), or on request: without a limit they would
-        # mostly trade replicated weights for a sliver of compute (see docs/architecture.md).
-        self.soft_search = memory_limit is not None if soft is None else soft
+        # Soft entries (sequence parallelism, token rows where an axis is free) are explored on
+        # request (soft=True) or when a constraint is soft; not by default yet: they change plans
+        # users rely on (docs/architecture.md, "Soft layout entries").
+        self.soft_search = bool(soft)
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
         self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)
         # activation checkpointing of the repeated blocks: True / False forced, None: on only

@@ -26,21 +26,33 @@ def _forward_per_block(plan, axis="tp"):
     return dict(out)
 
 
-def test_memory_limit_makes_the_search_choose_sequence_parallelism():
+def test_soft_search_under_memory_limit_chooses_sequence_parallelism():
+    """With soft entries in the space (SearchSpace(soft=True)) and a memory limit Megatron's
+    activations exceed, the search picks heads/ffn on tp plus seq soft: SP, exact."""
+    from autoshard.api import apply_dim_names
+    from autoshard.cost.model import resolve_cost_model
+    from autoshard.cost.search import SearchSpace, search_layout
+    from autoshard.passes.capture import capture
+    from autoshard.passes.dims import infer_dims
     model, args, dims = llama_tiny(with_labels=True, batch=4, seq=128, hidden_size=128, intermediate_size=512,
                                    num_heads=8, num_kv_heads=4, vocab_size=128)
-    kw = dict(mesh=Mesh({"tp": 4}), dims=dims, train=True, hardware="h100", zero_stage=0)
+    kw = dict(mesh=Mesh({"tp": 4}), dims=dims, train=True, hardware="h100", zero_stage=0, checkpoint=False)
     megatron = {"heads": "tp", "kv_heads": "tp", "ffn": "tp"}
     tp = autoshard.autoshard(copy.deepcopy(model), args, layout=megatron, **kw)
     sp = autoshard.autoshard(copy.deepcopy(model), args, layout=dict(megatron, seq="tp?"), **kw)
     assert sp.cost.memory["activations"] < tp.cost.memory["activations"]
     limit = (tp.cost.memory["peak"] + sp.cost.memory["peak"]) / 2  # Megatron without SP does not fit
-    plan = autoshard.autoshard(copy.deepcopy(model), args, layout={"batch": None}, memory_limit=limit, **kw)
+    cap = capture(copy.deepcopy(model), args, None)
+    info = infer_dims(cap.graph, {i.name: i.target for i in cap.inputs})
+    apply_dim_names(info, cap, dims)
+    space = SearchSpace(cap.graph, cap.inputs, info, kw["mesh"], resolve_cost_model("h100"), train=True,
+                        constraints={"batch": None}, memory_limit=limit, zero_stage=0, checkpoint=False, soft=True)
+    res = search_layout(space)
+    assert res.layout["seq"] == "tp?" and res.layout["heads"] == res.layout["ffn"] == ("tp",), res.layout
+    assert res.cost.memory["peak"] <= limit
+    plan = autoshard.autoshard(copy.deepcopy(model), args, layout=res.layout, **kw)
     assert plan.layout["seq"] == ("tp?",)
-    assert plan.layout["heads"] == plan.layout["ffn"] == ("tp",)
-    assert plan.cost.memory["peak"] <= limit
     assert _forward_per_block(plan) == {b: {"reduce_scatter": 2, "all_gather": 2} for b in range(2)}
-    assert "seq?" in plan.explain() and "memory_limit" in plan.explain()
     assert_exact(plan, model, args)
 
 
