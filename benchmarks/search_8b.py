@@ -40,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--memory-limit", default=None,
-                    help='e.g. 80GB: candidates over it are pruned, and soft entries (sequence parallelism) are explored')
+                    help='e.g. 80GB: candidates over it are pruned')
     a = ap.parse_args(argv)
     mesh = (autoshard.Mesh.auto(a.auto, ("dp", "tp")) if a.auto else
             autoshard.Mesh({k: int(v) for k, v in (p.split("=") for p in a.mesh.split(","))}))
