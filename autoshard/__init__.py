@@ -24,6 +24,9 @@ _FACADE = {
     "UnsupportedModelError": "autoshard.passes.guards",
     "DropoutWarning": "autoshard.passes.guards",
     "InputMismatchError": "autoshard.runtime.inputs",
+    "CaptureError": "autoshard.passes.export_errors",
+    "consolidate": "autoshard.runtime.checkpoint",
+    "CheckpointError": "autoshard.runtime.checkpoint",
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from .arguments import check_dims, check_layout, check_zero_stage
 from .mesh import AutoMesh, Mesh
 from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline, first_microbatch,
                             pipeline_options)
@@ -95,8 +96,9 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks). True /
     False forces it; None lets the search turn it on when the plan fits ``memory_limit`` only
     with it (``autoshard.cost.checkpoint``)."""
-    if zero_stage not in (None, 0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
+    check_zero_stage(zero_stage)
+    check_layout(layout)
+    check_dims(dims)
     if (zero_stage or reshard_after_forward is not None) and not train:
         raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
     if reshard_after_forward is not None and zero_stage != 3:

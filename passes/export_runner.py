@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -38,6 +39,9 @@ from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.clip import clip_grad_norm_
+from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -59,6 +63,13 @@ def parse_placement(items, n_axes: int, what: str) -> tuple:
         return ownership.parse(items)
     except ValueError as e:
         raise RunError(f"plan.json is corrupted: {what} has an {e} (hint: export the plan again)") from None
+
+
+def _check_dims_in_range(place, ndim: int, what: str, bad) -> None:
+    """A Shard(d) owner must name one of the value's dims (an edited or foreign plan.json may not)."""
+    for o in place or ():
+        if isinstance(o, Shard) and not 0 <= o.dim < ndim:
+            raise bad(f"{what} is sharded on dim {o.dim}, but it has {ndim} dim{'s' if ndim != 1 else ''}")
 
 
 def read_plan(root: Path) -> dict:
@@ -110,17 +121,30 @@ def read_plan(root: Path) -> dict:
                 m["_dtype"] = getattr(torch, m["dtype"])
             except (AttributeError, TypeError):
                 raise bad(f"input {m['target']!r} has dtype {m.get('dtype')!r}") from None
+            if not isinstance(m["_dtype"], torch.dtype):
+                raise bad(f"input {m['target']!r} has dtype {m.get('dtype')!r}")
+            ndim = len(m["shape"])
+            _check_dims_in_range(m["_place"], ndim, f"input {m['target']!r}", bad)
+            _check_dims_in_range(m.get("_use"), ndim, f"input {m['target']!r} (as used)", bad)
+            for key in ("storage", "zero1"):
+                d = (m.get(key) or {}).get("dim")
+                if d is not None and not (isinstance(d, int) and 0 <= d < ndim):
+                    raise bad(f"input {m['target']!r} has {key} dim {d!r}, but it has {ndim} dims")
+    if not doc["outputs"]:
+        raise bad("'outputs' is empty: the program returns nothing to run or check")
     for k, o in enumerate(doc["outputs"]):
         if not isinstance(o, dict):
             raise bad(f"output {k} is not an object")
         o["_place"] = parse_placement(o["placement"], n, f"output {k}") if o.get("placement") is not None else None
+        if o["_place"] is not None and isinstance(o.get("local_shape"), list):
+            _check_dims_in_range(o["_place"], len(o["local_shape"]), f"output {k}", bad)
     gb = doc.get("grad_buckets")
     if gb is not None:
         trainable = {m["name"] for m in doc["inputs"] if m["kind"] == "parameter" and m.get("trainable")}
         if not (isinstance(gb, dict) and gb.get("axis") in mesh.axes and isinstance(gb.get("buckets"), list)
                 and all(isinstance(b, dict) and set(b.get("params", [None])) <= trainable for b in gb["buckets"])):
             raise bad("grad_buckets does not name the mesh's axes and trainable parameters")
-    if not 0 <= doc["loss_output"] < max(len(doc["outputs"]), 1):
+    if not 0 <= doc["loss_output"] < len(doc["outputs"]):
         raise bad(f"loss_output {doc['loss_output']} is not an output")
     return doc
 
@@ -159,13 +183,15 @@ class Weights:
     """Tensors by FQN from the weights file (and a checkpoint, for parameters), memory-mapped:
     a rank's slice of a tensor reads only the pages of that slice."""
 
-    def __init__(self, root: Path, doc: dict, checkpoint=None):
+    def __init__(self, root: Path, doc: dict, checkpoint=None, allow_partial: bool = False):
         sources = []
         ckpt = checkpoint or doc["weights"].get("checkpoint")
+        self.partial_note = None
         if ckpt:
             state = _load(Path(ckpt), "weights checkpoint")
             if not isinstance(state, dict):
                 raise RunError(f"weights checkpoint {ckpt} holds a {type(state).__name__}, not a state dict")
+            self.partial_note = check_checkpoint_keys(state, doc, ckpt, allow_partial)
             sources.append(state)
         state = _load(root / doc["weights"].get("file", "weights.pt"), "weights file")
         if not isinstance(state, dict):
@@ -176,32 +202,99 @@ class Weights:
         self.aliases: dict = {}
         for alias, kept in (doc.get("aliases") or {}).items():
             self.aliases.setdefault(kept, []).append(alias)
-        missing, wrong = [], []
+        self.dtypes = {m["target"]: m["_dtype"] for m in doc["inputs"]
+                       if m["kind"] != "user" and m.get("role", "input") == "input" and m.get("shape") is not None}
+        missing, wrong, dtypes = [], [], []
         for m in doc["inputs"]:
             if m["kind"] == "user" or m.get("role", "input") != "input" or m.get("shape") is None:
                 continue
             t = self.find(m["target"])
             if t is None:
                 missing.append(m["target"])
+            elif not isinstance(t, torch.Tensor):
+                wrong.append(f"{m['target']} is a {type(t).__name__}, not a tensor")
             elif list(t.shape) != m["shape"]:
                 wrong.append(f"{m['target']} is {list(t.shape)}, the plan has {m['shape']}")
+            elif t.dtype != m["_dtype"]:
+                dtypes.append(f"{m['target']} is {_dt(t.dtype)}, the plan has {_dt(m['_dtype'])}")
         if missing:
             raise RunError(f"the weights have no tensor for {len(missing)} name(s), e.g. {missing[:3]} "
                            f"(hint: pass --weights with a state dict keyed by parameter name)")
         if wrong:
             raise RunError(f"weights of the wrong shape: {'; '.join(wrong[:3])} (hint: this export was planned "
                            f"for another model configuration)")
+        if dtypes:
+            raise RunError(f"weights of the wrong dtype: {'; '.join(dtypes[:3])}"
+                           + (f" and {len(dtypes) - 3} more" if len(dtypes) > 3 else "")
+                           + " (hint: floating point and integer tensors do not convert into each other; "
+                             "check that the checkpoint is of this model)")
 
     def find(self, fqn: str):
         for name in [fqn] + self.aliases.get(fqn, []):
             for s in self.sources:
                 if name in s:
-                    return s[name]
+                    t = s[name]
+                    want = self.dtypes.get(fqn)
+                    if isinstance(t, torch.Tensor) and want is not None and t.dtype != want \
+                            and t.is_floating_point() and want.is_floating_point:
+                        # another float dtype (an fp32 checkpoint of a bf16 plan): converted as
+                        # model.load_state_dict would; integer <-> float mismatches are refused
+                        t = t.to(want)
+                    return t
         return None
 
 
-def open_weights(root: Path, doc: dict, checkpoint=None) -> Weights:
-    return Weights(root, doc, checkpoint)
+def _dt(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _names(keys, n: int = 4) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def _common_prefix_fix(unexpected, missing) -> str:
+    """``"strip the prefix 'model.'"`` when removing one dotted prefix from the unexpected keys
+    gives the missing ones; '' otherwise."""
+    prefixes = {k.split(".", 1)[0] + "." for k in unexpected if "." in k}
+    for pre in sorted(prefixes):
+        if {k[len(pre):] for k in unexpected if k.startswith(pre)} & set(missing):
+            return f"its keys carry the prefix {pre!r}: strip it, e.g. {{k.removeprefix({pre!r}): v for k, v in " \
+                   f"state.items()}}"
+    return ""
+
+
+def check_checkpoint_keys(state: dict, doc: dict, ckpt, allow_partial: bool):
+    """RunError unless the checkpoint has every parameter the program reads (under its name or a
+    tied alias): a checkpoint with other keys (a ``model.`` prefix, another model, only some
+    layers) must not silently fall back to the exported weights. With ``allow_partial`` the
+    parameters it lacks come from the export, and a one-line note (returned) says how many."""
+    aliases: dict = {}
+    for alias, kept in (doc.get("aliases") or {}).items():
+        aliases.setdefault(kept, []).append(alias)
+    known, missing = set(), []
+    for m in doc["inputs"]:
+        if m["kind"] == "user" or m.get("role", "input") != "input":
+            continue
+        names = [m["target"]] + aliases.get(m["target"], [])
+        known.update(names)
+        if m["kind"] == "parameter" and m.get("shape") is not None and not any(k in state for k in names):
+            missing.append(m["target"])
+    unexpected = [k for k in state if k not in known]
+    if not missing:
+        return None
+    if allow_partial:
+        return (f"--allow-partial: {len(missing)} of the program's parameters are not in {ckpt} and come from the "
+                f"export ({_names(missing, 2)})" + (f"; {len(unexpected)} of its keys are not used" if unexpected else ""))
+    fix = _common_prefix_fix(unexpected, missing)
+    raise RunError(f"weights checkpoint {ckpt} does not match the program: missing {len(missing)} parameter(s) "
+                   f"({_names(missing)})" + (f"; unexpected key(s) ({_names(unexpected)})" if unexpected else "")
+                   + f" (hint: {fix or 'a state dict keyed by parameter name, as model.state_dict() gives'}; "
+                     f"--allow-partial takes the missing ones from the export)")
+
+
+def open_weights(root: Path, doc: dict, checkpoint=None, allow_partial: bool = False) -> Weights:
+    return Weights(root, doc, checkpoint, allow_partial)
 
 
 def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int = 0) -> list:
@@ -234,13 +327,31 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
         raise RunError(f"inputs file {path} must hold a list of {len(users)} inputs "
                        f"({', '.join(m['target'] for m in users)})")
     for m, x in zip(users, flat):
-        if m.get("shape") is None:
-            continue
-        if not isinstance(x, torch.Tensor) or list(x.shape) != m["shape"]:
-            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise RunError(f"input {m['target']} is {got}; the program was planned for shape {m['shape']} "
-                           f"(hint: plan and export again for this shape)")
+        check_input(m, x)
     return list(flat)
+
+
+def check_input(m: dict, x) -> None:
+    """RunError unless input ``x`` is what the program was planned for: a tensor of the planned
+    shape and dtype, or the planned non-tensor value (None, a Python scalar)."""
+    if m.get("shape") is None:
+        planned = m.get("value")
+        if isinstance(x, torch.Tensor):
+            raise RunError(f"input {m['target']} is a tensor {list(x.shape)}, but the program was planned with "
+                           f"{planned!r} there (hint: plan and export again with this input)")
+        if "value" in m and x != planned:
+            raise RunError(f"input {m['target']} is {x!r}; the program was planned for {planned!r} "
+                           f"(hint: plan and export again for this value)")
+        return
+    if not isinstance(x, torch.Tensor) or list(x.shape) != m["shape"]:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise RunError(f"input {m['target']} is {got}; the program was planned for shape {m['shape']} "
+                       f"(hint: plan and export again for this shape)")
+    if x.dtype != m["_dtype"]:
+        what = " (token ids and labels are integers)" if not m["_dtype"].is_floating_point and \
+            x.dtype.is_floating_point else ""
+        raise RunError(f"input {m['target']} has dtype {_dt(x.dtype)}; the program was planned for "
+                       f"{_dt(m['_dtype'])}{what} (hint: convert it with .to(torch.{_dt(m['_dtype'])}))")
 
 
 def _planned_value(m: dict):
@@ -371,12 +482,15 @@ def _parser():
     p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
     p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")
     p.add_argument("--weights", help="a checkpoint (state dict by parameter name) to take parameters from")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="with --weights: parameters the checkpoint lacks come from the export (default: an error)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic inputs")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (nccl) when available, else cpu (gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    add_training_args(p)
     return p
 
 
@@ -408,8 +522,12 @@ def prepare(root: Path, args) -> dict:
     if args.synthetic and args.inputs:
         raise RunError("--synthetic and --inputs exclude each other")
     program = load_program(root)
-    weights = open_weights(root, doc, args.weights)
-    user = load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs, seed=args.seed)
+    if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
+        raise RunError("--allow-partial applies to a --weights checkpoint")
+    weights = open_weights(root, doc, args.weights, args.allow_partial)
+    loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
+    user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
+                                                      seed=args.seed)
     ref = None
     if args.check:
         if args.synthetic or args.inputs:
@@ -426,7 +544,7 @@ def prepare(root: Path, args) -> dict:
         ref = _load(root / r["file"], "reference file")
         if not isinstance(ref, dict) or "outputs" not in ref:
             raise RunError(f"reference file {root / r['file']} is corrupted (hint: export the plan again)")
-    return dict(doc=doc, mesh=mesh, program=program, weights=weights, user=user, ref=ref)
+    return dict(doc=doc, mesh=mesh, program=program, weights=weights, user=user, ref=ref, loop=loop)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -497,6 +615,8 @@ def run(root: Path, args) -> int:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     doc, mesh = ctx["doc"], ctx["mesh"]
+    if ctx["weights"].partial_note and local_rank == 0:
+        print(f"run.py: note: {ctx['weights'].partial_note}", file=sys.stderr, flush=True)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -509,33 +629,82 @@ def run(root: Path, args) -> int:
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    say = _say if rank == 0 else (lambda msg: None)
+    store = dist.distributed_c10d._get_default_store()
+    beat = Heartbeat(store, rank)
     try:
-        backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu")
-        train = args.steps > 0
-        zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
-        say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
-            f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
-            + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
-               if train else "forward only"))
-        with rank_context(mesh, rank, backend):
-            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
+    except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
+        if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
+            # peers are stopped or gone: tearing the group down could block or abort
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PEER)
+        beat.stop()
+        dist.destroy_process_group()
+        raise
+    # Leave together: a rank that destroys its groups while a peer still talks to it makes the
+    # peer's gloo threads abort ("terminate called without an active exception").
+    dist.barrier()
+    beat.stop()
+    dist.destroy_process_group()
+    return rc
+
+
+EXIT_PEER = 3
+_PEER_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
+                "socket", "peer")
+
+
+def _report_lost_peer(e: BaseException, store, rank: int, world: int, timeout: float) -> bool:
+    """If ``e`` is a collective failing because some rank stopped answering, print one line for
+    the job (the first rank to notice prints it) and return True."""
+    text = f"{type(e).__name__}: {e}"
+    if not (isinstance(e, getattr(dist, "DistError", ())) or any(w in text.lower() for w in _PEER_ERRORS)):
+        return False
+    try:
+        gone = [r for r in stalled_ranks(store, world) if r != rank]
+    except Exception:  # noqa: BLE001 - the store itself is gone (the launcher is tearing down)
+        return True
+    if not gone:
+        return False
+    if first_to_report(store):
+        wake(store, gone)
+        first = " ".join(str(e).split())[:160]
+        ranks = ", ".join(map(str, gone))
+        print(f"run.py: error: rank{'s' if len(gone) > 1 else ''} {ranks} stopped answering (stalled or dead); "
+              f"rank {rank}'s collective failed within --timeout {timeout:g}s: {type(e).__name__}: {first}",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
+    say = _say if rank == 0 else (lambda msg: None)
+    backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
+    train = args.steps > 0
+    zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
+    say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
+        f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
+        + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
+           if train else "forward only"))
+    with rank_context(mesh, rank, backend):
+        rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        if ctx["loop"]:
+            res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
+        else:
             res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
-        if ctx["ref"] is None:
-            return 0
-        flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        for msg in res["problems"][:5]:
-            print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
-        ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
-                                   mesh.size)
-        say(text)
-        return 0 if ok else 1
-    finally:
-        dist.destroy_process_group()
+    if ctx["ref"] is None:
+        return 0
+    flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    for msg in res["problems"][:5]:
+        print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
+    ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
+                               mesh.size)
+    say(text)
+    return 0 if ok else 1
 
 
 def summarize_check(doc, ref, args, ok: bool, worst, losses, n_ranks):
@@ -559,6 +728,242 @@ def summarize_check(doc, ref, args, ok: bool, worst, losses, n_ranks):
     if ok:
         return True, f"check passed: {what} equal the unsharded model's on all {n_ranks} ranks ({diff}){loss_msg}"
     return False, f"CHECK FAILED: {what} differ from the unsharded model's ({diff}){loss_msg}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the training loop: --data, --lr-schedule, --clip-grad-norm, --save-every/--ckpt, --resume
+# ------------------------------------------------------------------------------------------------
+
+def add_training_args(p) -> None:
+    g = p.add_argument_group("training loop (with --steps N)")
+    g.add_argument("--data", help="token file: a 1-D integer tensor saved with torch.save, or a .npy / .bin of "
+                                  "uint16/uint32 token ids; each step reads the next global batch, each rank its block")
+    g.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16",
+                   help="element type of a raw .bin token file")
+    g.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="cosine: linear warmup over --warmup steps, then cosine decay to --min-lr at --total-steps")
+    g.add_argument("--warmup", type=int, default=0, help="warmup steps of the schedule")
+    g.add_argument("--total-steps", type=int, default=None,
+                   help="the schedule's length (default: --steps, counted from the resumed step)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the cosine schedule's final learning rate")
+    g.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip gradients to this global 2-norm (over every shard and mesh axis)")
+    g.add_argument("--ckpt", help="directory for checkpoints: step-NNNNNN/ written at --save-every and at the end")
+    g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (needs --ckpt)")
+    g.add_argument("--resume", help="a checkpoint, or a --ckpt directory (its newest complete step-*): restores "
+                                    "weights, optimizer, schedule and data position")
+    g.add_argument("--metrics", help="rank 0 writes one JSON line per step here (step, loss, lr, grad_norm, "
+                                     "tokens_per_s, seconds)")
+
+
+def uses_training_loop(args) -> bool:
+    return bool(args.data or args.ckpt or args.resume or args.save_every or args.metrics
+                or args.clip_grad_norm is not None or args.lr_schedule != "constant" or args.total_steps)
+
+
+def prepare_training(root: Path, doc: dict, args) -> dict:
+    """The training loop's inputs, checked before any process group exists: {} when no loop
+    option is given; else the token source, the checkpoint to resume and the schedule."""
+    if not uses_training_loop(args):
+        return {}
+    if args.steps <= 0:
+        raise RunError("the training loop options (--data, --ckpt, --resume, --lr-schedule, ...) need --steps N > 0")
+    if args.check:
+        raise RunError("--check compares with references of the saved batch; it excludes the training loop options")
+    if args.save_every < 0 or args.warmup < 0 or (args.total_steps is not None and args.total_steps <= 0):
+        raise RunError("--save-every and --warmup must be >= 0 and --total-steps > 0")
+    if args.save_every and not args.ckpt:
+        raise RunError("--save-every needs --ckpt DIR")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        raise RunError("--clip-grad-norm must be > 0")
+    loop = {"schedule": {"kind": args.lr_schedule, "warmup": args.warmup, "total": args.total_steps,
+                         "min_lr": args.min_lr, "lr": args.lr}}
+    if args.data:
+        if args.synthetic or args.inputs:
+            raise RunError("--data excludes --synthetic and --inputs")
+        loop["data"] = TokenData(Path(args.data), args.data_dtype, doc)
+    if args.resume:
+        try:
+            loop["resume"] = ckpt.resolve(args.resume)
+            ckpt.read_manifest(loop["resume"])
+        except ckpt.CheckpointError as e:
+            raise RunError(f"--resume: {e}") from None
+    return loop
+
+
+class TokenData:
+    """A token file read as consecutive global batches: batch k is tokens ``[pos, pos + B*S)``
+    viewed as the planned ``[B, S]`` (wrapping to the start when the file is used up). Every
+    integer input of that shape gets it (``input_ids``, and ``labels``: the models shift labels
+    themselves), except masks (``*mask*``: ones); a rank reads only its own block of it.
+
+    Example::
+
+        data = TokenData(Path("tokens.bin"), "uint16", doc)
+        user, pos = data.batch(0, mesh, rank)       # the flat user inputs, the next position
+    """
+
+    def __init__(self, path: Path, dtype: str, doc: dict):
+        self.path = path
+        users = [m for m in doc["inputs"] if m["kind"] == "user"]
+        ints = [m for m in users if m.get("shape") is not None and not m["_dtype"].is_floating_point]
+        tokens = [m for m in ints if "mask" not in m["target"]]
+        if not tokens:
+            raise RunError("--data fills integer token inputs, but this program has none")
+        self.shape = tokens[0]["shape"]
+        self.users = users
+        for m in users:
+            if m.get("shape") is not None and (m not in ints or m["shape"] != self.shape):
+                raise RunError(f"--data cannot fill input {m['target']} ({m['dtype']} {m['shape']}): it fills token "
+                               f"inputs of shape {self.shape} (and masks of that shape with ones)")
+        self.per_batch = math.prod(self.shape)
+        if not path.is_file():
+            raise RunError(f"--data {path} does not exist")
+        suffix = path.suffix.lower()
+        try:
+            if suffix in (".pt", ".pth"):
+                t = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
+                    raise RunError(f"--data {path} must hold a 1-D integer tensor (torch.save), not "
+                                   f"{type(t).__name__} {list(getattr(t, 'shape', []))}")
+                self.tokens = t
+            else:
+                import numpy as np
+
+                arr = (np.load(path, mmap_mode="r") if suffix == ".npy"
+                       else np.memmap(path, dtype=getattr(np, dtype), mode="r"))
+                if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                    raise RunError(f"--data {path} must be a 1-D array of integer token ids, not {arr.dtype} "
+                                   f"{list(arr.shape)}")
+                self.tokens = arr
+        except RunError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unreadable file is a usage error
+            raise RunError(f"--data {path} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        self.n = int(self.tokens.shape[0])
+        if self.n < self.per_batch:
+            raise RunError(f"--data {path} has {self.n} tokens, fewer than one global batch "
+                           f"({'x'.join(map(str, self.shape))} = {self.per_batch})")
+
+    def batch(self, pos: int, mesh, rank: int):
+        """(flat user inputs, next position): each token input is a global-shaped tensor in which
+        only this rank's block was read from the file (the rest is never looked at)."""
+        if pos + self.per_batch > self.n:
+            pos = 0  # next epoch
+        chunk = self.tokens[pos:pos + self.per_batch].reshape(self.shape)  # a view: nothing read yet
+        out, cache = [], {}
+        for m in self.users:
+            if m.get("shape") is None:
+                out.append(m.get("value"))
+                continue
+            if "mask" in m["target"]:
+                out.append(torch.ones(self.shape, dtype=m["_dtype"]))
+                continue
+            key = tuple(m["_place"])
+            if key not in cache:
+                g = torch.zeros(self.shape, dtype=m["_dtype"])
+                region = ckpt.block_region(self.shape, m["_place"], mesh, rank)
+                if region is not None:
+                    index = tuple(slice(o, o + n) for o, n in zip(*region))
+                    block = chunk[index]
+                    g[index] = block.to(torch.int64) if isinstance(block, torch.Tensor) else \
+                        torch.from_numpy(block.astype("int64"))
+                cache[key] = g
+            out.append(cache[key])
+        return out, pos + self.per_batch
+
+
+def lr_factor(schedule: dict, total: int):
+    """The multiplier of the base lr at step index s (0-based): linear warmup to 1 over
+    ``warmup`` steps, then constant, or cosine down to ``min_lr / lr`` at ``total``."""
+    warmup, kind = schedule["warmup"], schedule["kind"]
+    floor = schedule["min_lr"] / schedule["lr"] if schedule["lr"] else 0.0
+
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min((s - warmup) / max(1, total - warmup), 1.0)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
+    """``args.steps`` training steps of one rank inside its rank context, with the loop's data,
+    schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``)."""
+    doc, mesh = rp.doc, rp.mesh
+    rp.make_optimizer(args.optimizer, args.lr)
+    opt, start, pos, schedule, manifest = rp.opt, 0, 0, dict(loop["schedule"]), None
+    if loop.get("resume"):
+        manifest = ckpt.read_manifest(loop["resume"])
+        start = int(manifest.get("step") or 0)
+        schedule = (manifest.get("extra") or {}).get("schedule") or schedule  # the run's own schedule continues
+    if schedule.get("total") is None:
+        schedule["total"] = start + args.steps
+    # the scheduler first: creating it sets the lr to the schedule's start, which the checkpoint's
+    # param groups (its current lr) and the scheduler's saved state then overwrite
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt.inner, lr_factor(schedule, schedule["total"]))
+    if manifest is not None:
+        ckpt.load(rp.local, opt, loop["resume"])
+        extra = manifest.get("extra") or {}
+        pos = int(extra.get("data_position", 0))
+        if extra.get("scheduler"):
+            scheduler.load_state_dict(extra["scheduler"])
+        say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
+    data, end = loop.get("data"), start + args.steps
+    k_loss = doc["loss_output"]
+    loss_place = doc["outputs"][k_loss]["_place"]
+    tokens = data.per_batch if data else None
+    info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
+            "state_dict_keys": doc.get("state_dict_keys")}
+    metrics = open(args.metrics, "a") if args.metrics and rp.rank == 0 else None
+    res = dict(ok=True, losses=[], grad_norms=[], lrs=[], worst_out=0.0, worst_grad=0.0, problems=[])
+    sync = torch.cuda.synchronize if rp.device.type == "cuda" else (lambda: None)
+    t_start = time.perf_counter()
+    try:
+        for step in range(start + 1, end + 1):
+            t0 = time.perf_counter()
+            if data:
+                user, pos = data.batch(pos, mesh, rp.rank)
+            outs = rp.forward(user)
+            loss = outs[k_loss]
+            loss.backward(torch.ones_like(loss))
+            norm = clip_grad_norm_(rp.local, args.clip_grad_norm) if args.clip_grad_norm is not None else None
+            lr = opt.inner.param_groups[0]["lr"]
+            rp.step()
+            scheduler.step()
+            sync()
+            dt = time.perf_counter() - t0
+            value = global_sum(loss, loss_place, mesh)
+            res["losses"].append(value)
+            res["grad_norms"].append(norm)
+            res["lrs"].append(lr)
+            line = f"step {step}/{end}  loss {value:.6f}  time {dt * 1e3:.1f} ms  lr {lr:.3e}"
+            if norm is not None:
+                line += f"  grad-norm {norm:.4f}"
+            if tokens:
+                line += f"  tokens/s {tokens / dt:,.0f}"
+            say(line)
+            if metrics:
+                metrics.write(json.dumps({"step": step, "loss": value, "lr": lr, "grad_norm": norm,
+                                          "tokens_per_s": tokens / dt if tokens else None, "seconds": dt}) + "\n")
+                metrics.flush()
+            if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end):
+                path = Path(args.ckpt) / f"step-{step:06d}"
+                ckpt.save(rp.local, opt, path, step=step, info=info,
+                          extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict()})
+                say(f"saved checkpoint {path}")
+    finally:
+        if metrics:
+            metrics.close()
+    took = time.perf_counter() - t_start
+    if res["losses"]:
+        say(f"done: {args.steps} step{'s' if args.steps != 1 else ''} in {took:.1f} s"
+            + (f", {tokens * args.steps / took:,.0f} tokens/s" if tokens else "")
+            + f", final loss {res['losses'][-1]:.6f}")
+    return res
 
 
 def main(argv=None, root=None) -> int:
