@@ -37,7 +37,7 @@ from autoshard.mesh import Mesh
 from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
-from autoshard.runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime.local import UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -243,6 +243,15 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
     return list(flat)
 
 
+def _planned_value(m: dict):
+    """A user input's planned Python value (checked on every call: it is fixed in the program);
+    only plain JSON scalars survive plan.json unchanged, other values are not checked."""
+    v = m.get("value")
+    if m["kind"] == "user" and m.get("shape") is None and isinstance(v, (bool, int, float)):
+        return v
+    return UNCHECKED
+
+
 class RankProgram:
     """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
     ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.runtime.local.LocalModule` and
@@ -262,7 +271,7 @@ class RankProgram:
             slots.append(Slot(m["name"], m["kind"], m["target"], m.get("_place"), m.get("_use"), storage,
                               bool(train and m.get("trainable")), (z1["axis"], z1["dim"]) if z1 else None,
                               tuple(m["shape"]) if m.get("shape") is not None else None,
-                              m.get("_dtype", torch.float32)))
+                              m.get("_dtype", torch.float32), _planned_value(m)))
         buckets = doc.get("grad_buckets") or {}
         spec = RankSpec(mesh, program.forward, slots, [buckets["axis"]] if buckets.get("axis") else [],
                         frozenset(doc.get("reshard_tags") or ()),

@@ -243,3 +243,16 @@ def test_inactive_dropout_is_silent_and_exact(model):
         warnings.simplefilter("error", autoshard.DropoutWarning)
         plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 2}), dims={"x": "batch h"}, layout={"batch": "dp"})
     assert_exact(plan, model, (x,))
+
+
+def test_exported_program_checks_its_inputs(tmp_path):
+    """The exported runner (run.py's RankProgram, here on a simulated mesh) checks inputs too."""
+    from autoshard.passes.export import simulate_export
+    model, x, plan = _per_sample_plan()
+    path = plan.export(tmp_path / "out", (x, 2.0, True))
+    ok = simulate_export(path, inputs=[x, 2.0, True])
+    torch.testing.assert_close(ok[0]["outputs"][0], model(x, 2.0, True).detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(autoshard.InputMismatchError, match=r"input scale is 3.0; the plan was made for 2.0"):
+        simulate_export(path, inputs=[x, 3.0, True])
+    with pytest.raises(autoshard.InputMismatchError, match=r"input x has shape \(8, 4\)"):
+        simulate_export(path, inputs=[torch.randn(8, 4), 2.0, True])
