@@ -24,6 +24,7 @@ _FACADE = {
     "UnsupportedModelError": "autoshard.passes.guards",
     "DropoutWarning": "autoshard.passes.guards",
     "InputMismatchError": "autoshard.runtime.inputs",
+    "CaptureError": "autoshard.passes.export_errors",
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -28,17 +28,20 @@ from typing import Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from .arguments import check_dims, check_layout, check_zero_stage
 from .mesh import AutoMesh, Mesh
 from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline, first_microbatch,
                             pipeline_options)
 from .plan import Plan
 from autoshard.passes.capture import capture
+from autoshard.passes.checkpoint import block_name, block_regions
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
 from autoshard.cost.context import choose_variant
+from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.cost.units import choose_units
 from autoshard.cost.search import plan_search
 from autoshard.passes.program import build_program
@@ -49,7 +52,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
-              verbose: bool = False, captured=None, precision=None, context: Optional[dict] = None) -> Plan:
+              verbose: bool = False, captured=None, precision=None, checkpoint: Optional[bool] = None,
+              context: Optional[dict] = None) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -93,14 +97,24 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     runs it as ring attention or all-gather-KV attention, chosen by cost
     (``autoshard.passes.context``); ``context={"order": "zigzag" | "contiguous", "variant":
     "ring" | "allgather"}`` fixes the sequence order (zigzag by default for causal or masked
-    attention) or the variant."""
-    if zero_stage not in (None, 0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (or None), not {zero_stage!r}")
+    attention) or the variant.
+
+    ``checkpoint`` (training): recompute each repeated block's activations in backward instead
+    of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks). True /
+    False forces it; None lets the search turn it on when the plan fits ``memory_limit`` only
+    with it (``autoshard.cost.checkpoint``)."""
+    check_zero_stage(zero_stage)
+    check_layout(layout)
+    check_dims(dims)
     if (zero_stage or reshard_after_forward is not None) and not train:
         raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
     if reshard_after_forward is not None and zero_stage != 3:
         raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
     memory_limit = parse_bytes(memory_limit)
+    if checkpoint and not train:
+        raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
+    if checkpoint and pipeline is not None:
+        raise ValueError("checkpoint=True is not supported with pipeline= yet (stage programs are not cut into blocks)")
     meshes = mesh.meshes() if isinstance(mesh, AutoMesh) else None
     if meshes is None:
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
@@ -143,7 +157,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
             memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
             display={i.name: i.target for i in cap.inputs},
-            units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"))
+            units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"),
+            checkpoint=False if pipe is not None else checkpoint)
         layout = search_result.layout
         mesh = search_result.mesh if pipe is None else mesh
         if train and zero_stage is None:
@@ -153,6 +168,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         _progress(verbose, f"searched {search_result.space_size} candidates ({search_result.evaluated} evaluated) in "
                            f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
 
+    use_checkpoint = bool(search_result.checkpoint if search_result is not None else checkpoint) and train
     t = time.perf_counter()
     resolved = resolve_layout(info, layout, mesh)
     stage = zero_stage or 0
@@ -172,9 +188,10 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
         cm = cost_model or _cost_model(hardware)
         vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+        cost_fn = checkpointed_program_cost if use_checkpoint else program_cost
         units, (program, axes), _ = choose_units(
-            build, lambda b: program_cost(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
-                                          data_axes=b[1]), memory_limit)
+            build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
+                                     data_axes=b[1]), memory_limit)
     else:
         # (pipelined plans gather per parameter: a stage cut does not split units yet)
         units = check_policy(units) if units is not None else (
@@ -192,11 +209,24 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     plan.units = units
+    if use_checkpoint:
+        plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
     plan.example_inputs = (tuple(args), dict(kwargs or {}))
     plan.reduce_dtype = reduce_dtype
     if reduce_dtype is not None:
         widen_gradient_sums(program, reduce_dtype, param_dtype)
     return plan
+
+
+def checkpointed_blocks(program, cap, forced=None) -> list:
+    """Names of the repeated blocks of ``program`` that activation checkpointing can cut out."""
+    users = {i.name for i in cap.inputs if i.kind == "user"}
+    regions = block_regions(program.graph_module.graph, users)
+    names = [block_name(r.key) for r in regions if not r.why_not]
+    if forced and not names:
+        why = "; ".join(f"{block_name(r.key)}: {r.why_not}" for r in regions) or "the model has no repeated blocks"
+        raise ValueError(f"checkpoint=True: no block of the program can be recomputed ({why})")
+    return names
 
 
 def check_precision(precision):

@@ -153,6 +153,9 @@ def call_factory(fn, target: str, kwargs: dict):
     except TypeError as e:
         raise UsageError(f"calling {target} failed: {_first_line(e)}",
                          "check --factory-arg names against the factory's parameters") from e
+    except Exception as e:  # noqa: BLE001 - the user's code failed, not autoshard: say where, briefly
+        raise UsageError(f"calling {target} failed: {type(e).__name__}: {_first_line(e)}{_user_line(e)}",
+                         "--debug shows the traceback") from e
     if isinstance(result, dict):
         model, args = result.get("model"), result.get("args", ())
         dims, call_kwargs = result.get("dims"), result.get("kwargs")
@@ -174,6 +177,14 @@ def call_factory(fn, target: str, kwargs: dict):
     return model, tuple(args), call_kwargs, dims
 
 
+def _user_line(e: BaseException) -> str:
+    """`` at FILE:LINE`` of the innermost frame of ``e``'s traceback ('' without one)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -187,6 +198,9 @@ def _make_plan(ns):
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     import autoshard
 
+    if ns.zero_stage is not None and not ns.train:
+        raise UsageError(f"--zero-stage {ns.zero_stage} shards training state, but the plan is not for training",
+                         "add --train")
     mesh = autoshard.Mesh(parse_mesh(ns.mesh))
     layout = parse_layout(ns.layout)
     fn = load_factory(ns.target)
@@ -405,18 +419,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `autoshard run TARGET --mesh ... -- RUN.PY ARGS`: what follows `--` goes to run.py as it is
+    # (argparse would give it to no positional once TARGET was read, and fail on it)
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if extra:
+        if ns.command != "run":
+            parser.error(f"arguments after -- ({' '.join(extra)}) are for `autoshard run` only")
+        ns.run_args = list(ns.run_args or []) + extra
+    debug = ns.debug or os.environ.get("AUTOSHARD_DEBUG", "") not in ("", "0")
     try:
         return ns.func(ns)
     except UsageError as e:
-        if ns.debug:
+        if debug:
             raise
         return _fail(str(e), e.hint)
     except Exception as e:  # noqa: BLE001 - user mistakes the library reports, one line each
-        if ns.debug:
+        if debug:
             raise
         hint = _library_hint(e)
         if hint is None:
@@ -429,6 +455,7 @@ def _library_hint(e: BaseException):
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard import LayoutError
 
+    from autoshard.passes.capture import CaptureError
     from autoshard.passes.export import ExportError
     if isinstance(e, LayoutError):
         return "`autoshard plan` without --layout lists the named dims; check names and mesh axes"
@@ -436,6 +463,12 @@ def _library_hint(e: BaseException):
         return "this option is not supported yet"
     if isinstance(e, ExportError):
         return "" if "hint:" in str(e) else "export with --force to replace an existing directory"
+    if isinstance(e, CaptureError):
+        return "" if "hint:" in str(e) else "--debug shows the traceback"
+    if isinstance(e, (ValueError, TypeError)):
+        # the library's checks of what it was given (memory_limit, zero_stage without train,
+        # hardware names, process counts): one line; --debug / AUTOSHARD_DEBUG=1 show the traceback
+        return "" if "hint:" in str(e) else "--debug shows the traceback"
     return None
 
 

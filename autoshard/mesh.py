@@ -23,6 +23,9 @@ class Mesh:
     def __init__(self, axes):
         device_mesh = None
         if not isinstance(axes, Mapping):
+            if not hasattr(axes, "mesh_dim_names"):
+                raise TypeError(f"a mesh is a dict of named axes, e.g. Mesh({{'dp': 2, 'tp': 2}}), or a torch "
+                                f"DeviceMesh; got {type(axes).__name__} {_example(axes)}")
             device_mesh = axes
             names = getattr(axes, "mesh_dim_names", None)
             if not names:
@@ -33,7 +36,7 @@ class Mesh:
         for name, size in axes.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise ValueError(f"mesh axis name {name!r} must be an identifier such as 'dp' or 'tp'")
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes must be positive integers")
         self.axes: dict[str, int] = dict(axes)
         self.device_mesh = device_mesh
@@ -109,6 +112,21 @@ class Mesh:
         [{'dp': 1, 'tp': 4}, {'dp': 2, 'tp': 2}, {'dp': 4, 'tp': 1}]
         """
         return AutoMesh(n_devices, tuple(axes))
+
+
+def _example(axes) -> str:
+    """``{!r}`` of a mistaken mesh value, with the dict it probably meant when that is clear."""
+    text = repr(axes) if len(repr(axes)) <= 60 else repr(axes)[:57] + "..."
+    if isinstance(axes, str):
+        pairs = [p.partition("=") for p in axes.replace(" ", "").split(",") if p]
+        if pairs and all(eq and v.isdigit() for _, eq, v in pairs):
+            return f"{text} (write Mesh({{{', '.join(f'{k!r}: {v}' for k, _, v in pairs)}}}))"
+        return text
+    try:
+        as_dict = dict(axes)
+    except (TypeError, ValueError):
+        return text
+    return f"{text} (write Mesh({as_dict!r}))"
 
 
 class AutoMesh:

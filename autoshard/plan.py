@@ -23,6 +23,7 @@ from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
 from autoshard.cost.report import alternatives, cost_report, explain
+from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
 
@@ -40,6 +41,7 @@ class Plan:
     last_trace: list = field(default_factory=list)  # per-rank CollectiveRecords of the last simulation
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
+    checkpoint: list = field(default_factory=list)  # blocks recomputed in backward (activation checkpointing)
     _rank_spec: object = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
     example_inputs: object = field(default=None, repr=False)
@@ -47,10 +49,13 @@ class Plan:
     # ------------------------------------------------------------------ inspection
     @property
     def layout(self) -> dict:
-        """{logical dim name: tuple of mesh axes} for every user-named dim."""
+        """{logical dim name: tuple of mesh axes} for every user-named dim; a soft entry's axes
+        end in ``?`` (``("tp?",)``)."""
         out = {name: () for name in sorted(set(self.info.names.values()))}
         for name, axes in self.resolved.assignment.items():
             out[name] = tuple(axes)
+        for name, axes in getattr(self.resolved, "soft_assignment", {}).items():
+            out[name] = tuple(a + "?" for a in axes)  # soft: where the axis is free (passes/soft.py)
         return out
 
     @property
@@ -182,7 +187,11 @@ class Plan:
             slots.append(Slot(name, inp.kind, inp.target, prog.input_placements[i], prog.use_placements.get(name),
                               prog.storage.get(name), inp.trainable, zero1, shape, dtype,
                               val if inp.kind == "user" and shape is None else UNCHECKED))
-        self._rank_spec = RankSpec(mesh, prog.graph_module, slots, list(self.data_axes), prog.reshard_tags,
+        forward = prog.graph_module
+        if self.checkpoint:
+            users = {i.name for i in cap.inputs if i.kind == "user"}
+            forward = checkpoint_blocks(forward, users, set(self.checkpoint))[0]
+        self._rank_spec = RankSpec(mesh, forward, slots, list(self.data_axes), prog.reshard_tags,
                                    list(prog.buckets), cap.flatten_args,
                                    lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
                                    getattr(self, "reduce_dtype", None))

@@ -132,10 +132,13 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU runs: 1 matches vs_pytorch.py)")
     ap.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s, if not in the table")
     o = ap.parse_args(argv)
     if o.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("gpu_check: error: no CUDA device (hint: --device cpu runs the same check on the CPU)")
+    if o.threads:
+        torch.set_num_threads(o.threads)
     dtype = getattr(torch, o.dtype or ("bfloat16" if o.device.startswith("cuda") else "float32"))
     print(run(o.device, dtype, o.layers, o.dim, o.seq, o.batch, o.rounds, o.steps, peak=o.peak_flops), flush=True)
 

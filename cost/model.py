@@ -295,6 +295,8 @@ class Segment:
     items: list = field(default_factory=list)
     saved_bytes: int = 0  # activations saved for backward
     max_act_bytes: int = 0
+    saved_by_module: dict = field(default_factory=dict)  # module FQN -> its part of saved_bytes
+    boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/checkpoint.py)
 
     def key(self):
         return (tuple(x if isinstance(x, tuple) else x.key() for x in self.items), self.saved_bytes,
@@ -303,6 +305,26 @@ class Segment:
 
 def _is_collective_fn(target) -> bool:
     return getattr(target, "__module__", "") == "autoshard.runtime.collectives"
+
+
+def _add(d: dict, key, n) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+def activations_by_module(segments) -> dict:
+    """{module FQN: bytes of activations it saves for backward, per rank} over the program's
+    segments (what the memory model counts: sequence-parallel regions hold 1/p of the tokens).
+
+    Example::
+
+        segs = program_events(plan.program, plan.mesh, cm, param_names)
+        norms = sum(b for m, b in activations_by_module(segs).items() if m.endswith("norm"))
+    """
+    out: dict = {}
+    for s in segments:
+        for m, n in s.saved_by_module.items():
+            _add(out, m, n)
+    return out
 
 
 def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optional[dict] = None) -> list:
@@ -387,6 +409,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
             cur.items.append(c)
             if node in rg and not is_param:
                 cur.saved_bytes += out_bytes
+                _add(cur.saved_by_module, _module_of_local(node), out_bytes)
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
         att = (node.meta.get("autoshard") or {}).get("context")
@@ -406,6 +429,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
             pend[1] += bf * t
             if node.target not in VIEW_OPS:
                 cur.saved_bytes += out_bytes
+                _add(cur.saved_by_module, _module_of_local(node), out_bytes)
         if node.target not in VIEW_OPS:
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
     flush()
@@ -508,6 +532,8 @@ class PlanCost:
     zero_stage: int = 0
     counts: dict = field(default_factory=dict)  # (axis, phase, kind) -> number of collectives
     volume: dict = field(default_factory=dict)  # (axis, phase, kind) -> bytes sent per rank
+    activations_by_module: dict = field(default_factory=dict)  # module FQN -> saved bytes per rank
+    checkpoint: bool = False  # repeated blocks recomputed in backward (activation checkpointing)
 
     @property
     def comm_exposed(self) -> float:
@@ -740,9 +766,11 @@ def program_cost(program, inputs, vals, mesh, cm: CostModel, *, train: bool, zer
     elems, per, n = optimizer_work(inputs, vals, program.input_placements, mesh, cm, **kw) if train else (0, 0, 0)
     reshard = bool(program.reshard_tags)
     bucketed = bool(program.bucketed)
-    return simulate(segments, mesh, cm, train=train, state=state, opt_colls=opt, opt_elems=elems, opt_elem_bytes=per,
+    cost = simulate(segments, mesh, cm, train=train, state=state, opt_colls=opt, opt_elems=elems, opt_elem_bytes=per,
                     n_opt_tensors=n, zero_stage=zero_stage, reshard=reshard,
                     bucket_axis=data_axes[0] if bucketed and data_axes else None, bucket_bytes=bucket_bytes)
+    cost.activations_by_module = activations_by_module(segments)
+    return cost
 
 
 def formula_for(kind: str, input_bytes: float, ranks: int) -> str:

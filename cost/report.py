@@ -12,6 +12,7 @@ import torch
 
 from autoshard.ownership import local_shape
 
+from .checkpoint import checkpointed_program_cost
 from .model import PlanCost, formula_text, program_cost, resolve_cost_model
 
 __all__ = ["CostReport", "plan_cost", "cost_report", "explain", "alternatives", "describe_layout"]
@@ -26,7 +27,8 @@ class CostReport(dict):
     persistent, activations, gathered_params, comm_buffers, peak), ``zero_stage``,
     ``hardware``; and, unchanged from before the cost model, ``comm_bytes``
     ({(phase, axis): bytes of the listed collectives' input buffers}) and
-    ``state_bytes_per_rank``."""
+    ``state_bytes_per_rank``; ``activations_by_module`` ({module FQN: activation bytes saved for
+    backward per rank}, e.g. a norm's at 1/tp under sequence parallelism)."""
 
     def __getattr__(self, k):
         try:
@@ -65,9 +67,10 @@ def plan_cost(plan) -> PlanCost:
     cap = plan.captured
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
     bucket_mb = getattr(plan, "bucket_mb", 25.0)
-    cost = program_cost(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
-                        zero_stage=plan.zero_stage, data_axes=plan.data_axes,
-                        bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
+    fn = checkpointed_program_cost if getattr(plan, "checkpoint", None) else program_cost
+    cost = fn(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
+              zero_stage=plan.zero_stage, data_axes=plan.data_axes,
+              bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
     try:
         plan._autoshard_cost = cost
     except AttributeError:  # pragma: no cover
@@ -90,7 +93,7 @@ def cost_report(plan) -> CostReport:
     return CostReport(step_time=c.step_time, compute=c.compute, compute_by_phase=dict(c.compute_by_phase),
                       comm_exposed=dict(c.exposed), comm_total=dict(c.comm_total), memory=dict(c.memory),
                       zero_stage=c.zero_stage, hardware=_cost_model(plan).hardware.name, comm_bytes=comm,
-                      state_bytes_per_rank=state)
+                      state_bytes_per_rank=state, activations_by_module=dict(c.activations_by_module))
 
 
 def describe_layout(layout: dict, mesh) -> str:
@@ -100,6 +103,8 @@ def describe_layout(layout: dict, mesh) -> str:
         for a in (() if axes is None else (axes,) if isinstance(axes, str) else axes):
             if a in per:
                 per[a].append(name)
+            elif a.endswith("?") and a[:-1] in per:  # soft: where the axis is free
+                per[a[:-1]].append(name + "?")
     return "; ".join(f"{a}: {'+'.join(sorted(v)) if v else 'nothing'}" for a, v in per.items())
 
 

@@ -60,6 +60,7 @@ from autoshard.passes.program import build_program, choose_storage
 from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_placements, requires_grad_nodes,
                                   resolve_layout, rewrite)
 
+from .checkpoint import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
@@ -339,6 +340,11 @@ class SearchResult:
     def cost(self) -> PlanCost:
         return self.best.cost
 
+    @property
+    def checkpoint(self) -> bool:
+        """Whether the best plan recomputes its repeated blocks in backward."""
+        return bool(self.best.cost.checkpoint)
+
 
 class SearchSpace:
     """The captured program, its named dims, the mesh, the cost model and the constraints;
@@ -354,13 +360,16 @@ class SearchSpace:
     def __init__(self, graph, inputs, info, mesh, cm: CostModel, *, train: bool = False, constraints=None,
                  memory_limit=None, zero_stage=None, reshard_after_forward=None, kept_blocks: int = 3,
                  reduce: bool = True, display=None, bucket_mb: float = 25.0, shared: Optional[dict] = None,
-                 units="block"):
+                 units="block", checkpoint: Optional[bool] = None):
 
         self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
         self.train = train
         self.memory_limit = memory_limit
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
         self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)
+        # activation checkpointing of the repeated blocks: True / False forced, None: on only
+        # when the plan needs it to fit memory_limit (cost/checkpoint.py)
+        self.checkpoint = checkpoint
         self.display = display or {i.name: i.target for i in self.inputs}
         self.names = sorted(set(info.names.values()))
         constraints = dict(constraints or {})
@@ -620,12 +629,16 @@ class SearchSpace:
                 program, _ = self._build(r.graph, r.inputs, r.info, layout, cand.zero_stage, cand.reshard)
                 raw = program_events(program, self.mesh, self.cm, {i.name for i in r.inputs if i.kind == "parameter"
                                                                   and i.trainable}, self.vals)
+                if self.train:
+                    annotate_boundaries(raw, program.graph_module.graph, {i.name for i in r.inputs if i.kind == "user"})
                 segs = expand_segments(raw, r.family, r.n_blocks, r.kept)
             except self._LayoutError:
                 segs = None  # e.g. a constraint naming a dim of a block cut away: use the whole graph
         if segs is None:
             program, _ = self._build(self.graph, self.inputs, self.info, layout, cand.zero_stage, cand.reshard)
             segs = program_events(program, self.mesh, self.cm, self.grad_inputs, self.vals)
+            if self.train:
+                annotate_boundaries(segs, program.graph_module.graph, {i.name for i in self.inputs if i.kind == "user"})
         self._segments[skey] = segs
         return segs
 
@@ -648,11 +661,23 @@ class SearchSpace:
         elems, per, n = (optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
                          if self.train else (0, 0, 0))
         axes = kw["data_axes"]
-        return simulate(segs, self.mesh, self.cm, train=self.train, state=st, opt_colls=opt, opt_elems=elems,
-                        opt_elem_bytes=per, n_opt_tensors=n, zero_stage=cand.zero_stage,
-                        reshard=bool(cand.zero_stage == 3 and cand.reshard),
-                        bucket_axis=axes[0] if self._bucketing(cand.zero_stage, axes) else None,
-                        bucket_bytes=self.bucket_bytes)
+
+        def run(segments):
+            return simulate(segments, self.mesh, self.cm, train=self.train, state=st, opt_colls=opt, opt_elems=elems,
+                            opt_elem_bytes=per, n_opt_tensors=n, zero_stage=cand.zero_stage,
+                            reshard=bool(cand.zero_stage == 3 and cand.reshard),
+                            bucket_axis=axes[0] if self._bucketing(cand.zero_stage, axes) else None,
+                            bucket_bytes=self.bucket_bytes)
+
+        if not self._may_checkpoint(segs):
+            return run(segs)
+        # activation checkpointing (cost/checkpoint.py): on when only the recomputing plan fits
+        return checkpoint_choice(run(segs), lambda: run(checkpointed_segments(segs)), self.memory_limit,
+                                 self.checkpoint)[1]
+
+    def _may_checkpoint(self, segs) -> bool:
+        return (self.train and self.checkpoint is not False and has_blocks(segs)
+                and (self.checkpoint or self.memory_limit is not None))
 
     # ------------------------------------------------------------------ lower bounds
     def _prepare_bounds(self):
@@ -741,6 +766,8 @@ class SearchSpace:
         split it)."""
         st, _, _ = self.state(cand)
         _, saved, biggest = self._bounds(cand)
+        if self.train and self.checkpoint is not False:
+            return st["total"]  # checkpointing may drop most activations: state alone bounds the peak
         if self.train:
             return st["total"] + saved
         return st["params"] + st.get("buffers", 0.0) + 2 * biggest
@@ -1020,7 +1047,8 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
 
 def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = False, zero_stage=None,
                 reshard_after_forward=None, memory_limit=None, cost_model=None, bucket_mb: float = 25.0,
-                keep: int = 3, verbose: bool = False, display=None, units="block") -> SearchResult:
+                keep: int = 3, verbose: bool = False, display=None, units="block",
+                checkpoint: Optional[bool] = None) -> SearchResult:
     """Search every mesh of ``meshes`` (one, or all factorizations from ``Mesh.auto``) and
     return the best plan over all of them; ``alternatives`` mixes meshes, cheapest first.
     Raises LayoutError when no mesh admits the constraints, ValueError when nothing fits
@@ -1038,7 +1066,7 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
             space = SearchSpace(graph, inputs, info, mesh, cm, train=train, constraints=constraints, shared=shared,
                                 memory_limit=memory_limit, zero_stage=zero_stage,
                                 reshard_after_forward=reshard_after_forward, display=display, bucket_mb=bucket_mb,
-                                units=units)
+                                units=units, checkpoint=checkpoint)
         except LayoutError as e:
             errors.append(e)
             continue

@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .decompose import decompose
+from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
@@ -91,11 +92,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     """Export ``model(*args, **kwargs)`` and return a cleaned graph plus input metadata."""
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
-    try:
-        with watch_autograd_functions() as functions:
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-    except Exception as e:  # export errors are long; keep the cause and say what failed
-        raise RuntimeError(f"autoshard: torch.export could not capture {type(model).__name__}: {e}") from e
+    with watch_autograd_functions() as functions:
+        ep = export_program(model, args, kwargs)  # CaptureError: one line naming the cause and source line
     refuse_autograd_functions(functions)  # their backward is not in the graph
     seconds = time.perf_counter() - t0
     graph = ep.graph

@@ -583,7 +583,7 @@ def load_program(path):
 
 
 def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float = 1e-3, check: bool = False,
-                    inputs=None) -> list:
+                    inputs=None, weights=None, allow_partial: bool = False) -> list:
     """Run an exported directory on a simulated mesh (ranks as threads of this process), loading
     the program, weights and inputs exactly as run.py does: forward only, or ``steps`` training
     steps. Returns one dict per rank: ``outputs`` (flat, local; of the first step), ``grads``
@@ -595,7 +595,7 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     program = R.load_program(path)
     mesh = Mesh(doc["mesh"])
     user = inputs if inputs is not None else R.load_inputs(path, doc, synthetic=False)
-    weights = R.open_weights(path, doc, None)
+    weights = R.open_weights(path, doc, weights, allow_partial)  # weights: run.py's --weights
     ref = torch.load(path / doc["reference"]["file"], weights_only=True) if check else None
 
     def rank_fn(rank):

@@ -38,6 +38,7 @@ from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -59,6 +60,13 @@ def parse_placement(items, n_axes: int, what: str) -> tuple:
         return ownership.parse(items)
     except ValueError as e:
         raise RunError(f"plan.json is corrupted: {what} has an {e} (hint: export the plan again)") from None
+
+
+def _check_dims_in_range(place, ndim: int, what: str, bad) -> None:
+    """A Shard(d) owner must name one of the value's dims (an edited or foreign plan.json may not)."""
+    for o in place or ():
+        if isinstance(o, Shard) and not 0 <= o.dim < ndim:
+            raise bad(f"{what} is sharded on dim {o.dim}, but it has {ndim} dim{'s' if ndim != 1 else ''}")
 
 
 def read_plan(root: Path) -> dict:
@@ -110,17 +118,30 @@ def read_plan(root: Path) -> dict:
                 m["_dtype"] = getattr(torch, m["dtype"])
             except (AttributeError, TypeError):
                 raise bad(f"input {m['target']!r} has dtype {m.get('dtype')!r}") from None
+            if not isinstance(m["_dtype"], torch.dtype):
+                raise bad(f"input {m['target']!r} has dtype {m.get('dtype')!r}")
+            ndim = len(m["shape"])
+            _check_dims_in_range(m["_place"], ndim, f"input {m['target']!r}", bad)
+            _check_dims_in_range(m.get("_use"), ndim, f"input {m['target']!r} (as used)", bad)
+            for key in ("storage", "zero1"):
+                d = (m.get(key) or {}).get("dim")
+                if d is not None and not (isinstance(d, int) and 0 <= d < ndim):
+                    raise bad(f"input {m['target']!r} has {key} dim {d!r}, but it has {ndim} dims")
+    if not doc["outputs"]:
+        raise bad("'outputs' is empty: the program returns nothing to run or check")
     for k, o in enumerate(doc["outputs"]):
         if not isinstance(o, dict):
             raise bad(f"output {k} is not an object")
         o["_place"] = parse_placement(o["placement"], n, f"output {k}") if o.get("placement") is not None else None
+        if o["_place"] is not None and isinstance(o.get("local_shape"), list):
+            _check_dims_in_range(o["_place"], len(o["local_shape"]), f"output {k}", bad)
     gb = doc.get("grad_buckets")
     if gb is not None:
         trainable = {m["name"] for m in doc["inputs"] if m["kind"] == "parameter" and m.get("trainable")}
         if not (isinstance(gb, dict) and gb.get("axis") in mesh.axes and isinstance(gb.get("buckets"), list)
                 and all(isinstance(b, dict) and set(b.get("params", [None])) <= trainable for b in gb["buckets"])):
             raise bad("grad_buckets does not name the mesh's axes and trainable parameters")
-    if not 0 <= doc["loss_output"] < max(len(doc["outputs"]), 1):
+    if not 0 <= doc["loss_output"] < len(doc["outputs"]):
         raise bad(f"loss_output {doc['loss_output']} is not an output")
     return doc
 
@@ -159,13 +180,15 @@ class Weights:
     """Tensors by FQN from the weights file (and a checkpoint, for parameters), memory-mapped:
     a rank's slice of a tensor reads only the pages of that slice."""
 
-    def __init__(self, root: Path, doc: dict, checkpoint=None):
+    def __init__(self, root: Path, doc: dict, checkpoint=None, allow_partial: bool = False):
         sources = []
         ckpt = checkpoint or doc["weights"].get("checkpoint")
+        self.partial_note = None
         if ckpt:
             state = _load(Path(ckpt), "weights checkpoint")
             if not isinstance(state, dict):
                 raise RunError(f"weights checkpoint {ckpt} holds a {type(state).__name__}, not a state dict")
+            self.partial_note = check_checkpoint_keys(state, doc, ckpt, allow_partial)
             sources.append(state)
         state = _load(root / doc["weights"].get("file", "weights.pt"), "weights file")
         if not isinstance(state, dict):
@@ -176,32 +199,99 @@ class Weights:
         self.aliases: dict = {}
         for alias, kept in (doc.get("aliases") or {}).items():
             self.aliases.setdefault(kept, []).append(alias)
-        missing, wrong = [], []
+        self.dtypes = {m["target"]: m["_dtype"] for m in doc["inputs"]
+                       if m["kind"] != "user" and m.get("role", "input") == "input" and m.get("shape") is not None}
+        missing, wrong, dtypes = [], [], []
         for m in doc["inputs"]:
             if m["kind"] == "user" or m.get("role", "input") != "input" or m.get("shape") is None:
                 continue
             t = self.find(m["target"])
             if t is None:
                 missing.append(m["target"])
+            elif not isinstance(t, torch.Tensor):
+                wrong.append(f"{m['target']} is a {type(t).__name__}, not a tensor")
             elif list(t.shape) != m["shape"]:
                 wrong.append(f"{m['target']} is {list(t.shape)}, the plan has {m['shape']}")
+            elif t.dtype != m["_dtype"]:
+                dtypes.append(f"{m['target']} is {_dt(t.dtype)}, the plan has {_dt(m['_dtype'])}")
         if missing:
             raise RunError(f"the weights have no tensor for {len(missing)} name(s), e.g. {missing[:3]} "
                            f"(hint: pass --weights with a state dict keyed by parameter name)")
         if wrong:
             raise RunError(f"weights of the wrong shape: {'; '.join(wrong[:3])} (hint: this export was planned "
                            f"for another model configuration)")
+        if dtypes:
+            raise RunError(f"weights of the wrong dtype: {'; '.join(dtypes[:3])}"
+                           + (f" and {len(dtypes) - 3} more" if len(dtypes) > 3 else "")
+                           + " (hint: floating point and integer tensors do not convert into each other; "
+                             "check that the checkpoint is of this model)")
 
     def find(self, fqn: str):
         for name in [fqn] + self.aliases.get(fqn, []):
             for s in self.sources:
                 if name in s:
-                    return s[name]
+                    t = s[name]
+                    want = self.dtypes.get(fqn)
+                    if isinstance(t, torch.Tensor) and want is not None and t.dtype != want \
+                            and t.is_floating_point() and want.is_floating_point:
+                        # another float dtype (an fp32 checkpoint of a bf16 plan): converted as
+                        # model.load_state_dict would; integer <-> float mismatches are refused
+                        t = t.to(want)
+                    return t
         return None
 
 
-def open_weights(root: Path, doc: dict, checkpoint=None) -> Weights:
-    return Weights(root, doc, checkpoint)
+def _dt(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _names(keys, n: int = 4) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def _common_prefix_fix(unexpected, missing) -> str:
+    """``"strip the prefix 'model.'"`` when removing one dotted prefix from the unexpected keys
+    gives the missing ones; '' otherwise."""
+    prefixes = {k.split(".", 1)[0] + "." for k in unexpected if "." in k}
+    for pre in sorted(prefixes):
+        if {k[len(pre):] for k in unexpected if k.startswith(pre)} & set(missing):
+            return f"its keys carry the prefix {pre!r}: strip it, e.g. {{k.removeprefix({pre!r}): v for k, v in " \
+                   f"state.items()}}"
+    return ""
+
+
+def check_checkpoint_keys(state: dict, doc: dict, ckpt, allow_partial: bool):
+    """RunError unless the checkpoint has every parameter the program reads (under its name or a
+    tied alias): a checkpoint with other keys (a ``model.`` prefix, another model, only some
+    layers) must not silently fall back to the exported weights. With ``allow_partial`` the
+    parameters it lacks come from the export, and a one-line note (returned) says how many."""
+    aliases: dict = {}
+    for alias, kept in (doc.get("aliases") or {}).items():
+        aliases.setdefault(kept, []).append(alias)
+    known, missing = set(), []
+    for m in doc["inputs"]:
+        if m["kind"] == "user" or m.get("role", "input") != "input":
+            continue
+        names = [m["target"]] + aliases.get(m["target"], [])
+        known.update(names)
+        if m["kind"] == "parameter" and m.get("shape") is not None and not any(k in state for k in names):
+            missing.append(m["target"])
+    unexpected = [k for k in state if k not in known]
+    if not missing:
+        return None
+    if allow_partial:
+        return (f"--allow-partial: {len(missing)} of the program's parameters are not in {ckpt} and come from the "
+                f"export ({_names(missing, 2)})" + (f"; {len(unexpected)} of its keys are not used" if unexpected else ""))
+    fix = _common_prefix_fix(unexpected, missing)
+    raise RunError(f"weights checkpoint {ckpt} does not match the program: missing {len(missing)} parameter(s) "
+                   f"({_names(missing)})" + (f"; unexpected key(s) ({_names(unexpected)})" if unexpected else "")
+                   + f" (hint: {fix or 'a state dict keyed by parameter name, as model.state_dict() gives'}; "
+                     f"--allow-partial takes the missing ones from the export)")
+
+
+def open_weights(root: Path, doc: dict, checkpoint=None, allow_partial: bool = False) -> Weights:
+    return Weights(root, doc, checkpoint, allow_partial)
 
 
 def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int = 0) -> list:
@@ -234,13 +324,31 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
         raise RunError(f"inputs file {path} must hold a list of {len(users)} inputs "
                        f"({', '.join(m['target'] for m in users)})")
     for m, x in zip(users, flat):
-        if m.get("shape") is None:
-            continue
-        if not isinstance(x, torch.Tensor) or list(x.shape) != m["shape"]:
-            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise RunError(f"input {m['target']} is {got}; the program was planned for shape {m['shape']} "
-                           f"(hint: plan and export again for this shape)")
+        check_input(m, x)
     return list(flat)
+
+
+def check_input(m: dict, x) -> None:
+    """RunError unless input ``x`` is what the program was planned for: a tensor of the planned
+    shape and dtype, or the planned non-tensor value (None, a Python scalar)."""
+    if m.get("shape") is None:
+        planned = m.get("value")
+        if isinstance(x, torch.Tensor):
+            raise RunError(f"input {m['target']} is a tensor {list(x.shape)}, but the program was planned with "
+                           f"{planned!r} there (hint: plan and export again with this input)")
+        if "value" in m and x != planned:
+            raise RunError(f"input {m['target']} is {x!r}; the program was planned for {planned!r} "
+                           f"(hint: plan and export again for this value)")
+        return
+    if not isinstance(x, torch.Tensor) or list(x.shape) != m["shape"]:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise RunError(f"input {m['target']} is {got}; the program was planned for shape {m['shape']} "
+                       f"(hint: plan and export again for this shape)")
+    if x.dtype != m["_dtype"]:
+        what = " (token ids and labels are integers)" if not m["_dtype"].is_floating_point and \
+            x.dtype.is_floating_point else ""
+        raise RunError(f"input {m['target']} has dtype {_dt(x.dtype)}; the program was planned for "
+                       f"{_dt(m['_dtype'])}{what} (hint: convert it with .to(torch.{_dt(m['_dtype'])}))")
 
 
 def _planned_value(m: dict):
@@ -371,6 +479,8 @@ def _parser():
     p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
     p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")
     p.add_argument("--weights", help="a checkpoint (state dict by parameter name) to take parameters from")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="with --weights: parameters the checkpoint lacks come from the export (default: an error)")
     p.add_argument("--seed", type=int, default=0, help="seed of --synthetic inputs")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-5)
@@ -408,7 +518,9 @@ def prepare(root: Path, args) -> dict:
     if args.synthetic and args.inputs:
         raise RunError("--synthetic and --inputs exclude each other")
     program = load_program(root)
-    weights = open_weights(root, doc, args.weights)
+    if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
+        raise RunError("--allow-partial applies to a --weights checkpoint")
+    weights = open_weights(root, doc, args.weights, args.allow_partial)
     user = load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs, seed=args.seed)
     ref = None
     if args.check:
@@ -497,6 +609,8 @@ def run(root: Path, args) -> int:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     doc, mesh = ctx["doc"], ctx["mesh"]
+    if ctx["weights"].partial_note and local_rank == 0:
+        print(f"run.py: note: {ctx['weights'].partial_note}", file=sys.stderr, flush=True)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -509,33 +623,79 @@ def run(root: Path, args) -> int:
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    say = _say if rank == 0 else (lambda msg: None)
+    store = dist.distributed_c10d._get_default_store()
+    beat = Heartbeat(store, rank)
     try:
-        backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu")
-        train = args.steps > 0
-        zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
-        say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
-            f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
-            + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
-               if train else "forward only"))
-        with rank_context(mesh, rank, backend):
-            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
-            res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
-        if ctx["ref"] is None:
-            return 0
-        flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        for msg in res["problems"][:5]:
-            print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
-        ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
-                                   mesh.size)
-        say(text)
-        return 0 if ok else 1
-    finally:
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
+    except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
+        if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
+            # peers are stopped or gone: tearing the group down could block or abort
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PEER)
+        beat.stop()
         dist.destroy_process_group()
+        raise
+    # Leave together: a rank that destroys its groups while a peer still talks to it makes the
+    # peer's gloo threads abort ("terminate called without an active exception").
+    dist.barrier()
+    beat.stop()
+    dist.destroy_process_group()
+    return rc
+
+
+EXIT_PEER = 3
+_PEER_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
+                "socket", "peer")
+
+
+def _report_lost_peer(e: BaseException, store, rank: int, world: int, timeout: float) -> bool:
+    """If ``e`` is a collective failing because some rank stopped answering, print one line for
+    the job (the first rank to notice prints it) and return True."""
+    text = f"{type(e).__name__}: {e}"
+    if not (isinstance(e, getattr(dist, "DistError", ())) or any(w in text.lower() for w in _PEER_ERRORS)):
+        return False
+    try:
+        gone = [r for r in stalled_ranks(store, world) if r != rank]
+    except Exception:  # noqa: BLE001 - the store itself is gone (the launcher is tearing down)
+        return True
+    if not gone:
+        return False
+    if first_to_report(store):
+        wake(store, gone)
+        first = " ".join(str(e).split())[:160]
+        ranks = ", ".join(map(str, gone))
+        print(f"run.py: error: rank{'s' if len(gone) > 1 else ''} {ranks} stopped answering (stalled or dead); "
+              f"rank {rank}'s collective failed within --timeout {timeout:g}s: {type(e).__name__}: {first}",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
+    say = _say if rank == 0 else (lambda msg: None)
+    backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
+    train = args.steps > 0
+    zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
+    say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
+        f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
+        + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
+           if train else "forward only"))
+    with rank_context(mesh, rank, backend):
+        rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
+    if ctx["ref"] is None:
+        return 0
+    flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    worst = torch.tensor([res["worst_out"], res["worst_grad"]], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    for msg in res["problems"][:5]:
+        print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
+    ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
+                               mesh.size)
+    say(text)
+    return 0 if ok else 1
 
 
 def summarize_check(doc, ref, args, ok: bool, worst, losses, n_ranks):

@@ -39,6 +39,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
+from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, aliases_read_later, get_path,
                     is_inplace, is_tensor_node, shape_of)
 
@@ -78,6 +79,8 @@ class Layout:
     assignment: dict  # name -> tuple of axes (as the user gave it, matched)
     units: dict  # axis -> list of leaf-atom tuples
     sizes: dict  # name -> size
+    soft: dict = field(default_factory=dict)  # axis -> units of soft entries (passes/soft.py)
+    soft_assignment: dict = field(default_factory=dict)  # name -> axes, soft entries
     # Context parallelism (passes/context.py): axis -> (unit, "zigzag" | "contiguous") for a
     # sequence split on that axis. A tensor with that dim twice (a mask [s_q, s_k]) is split
     # on the first (its query rows); under zigzag, a block of that dim holds chunks i and 2R-1-i,
@@ -86,47 +89,62 @@ class Layout:
 
 
 def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
-    """Check a user layout against the named dims and the mesh, and compute its units."""
+    """Check a user layout against the named dims and the mesh, and compute its units (soft
+    entries, ``"seq": "tp?"``, get their own units: :mod:`autoshard.passes.soft`)."""
+    try:
+        hard, soft = split_soft(layout)
+    except SoftLayoutError as e:
+        raise LayoutError(str(e)) from None
     units = {a: [] for a in mesh.names}
     assignment, sizes = {}, {}
-    for key, axes in (layout or {}).items():
-        if axes is None:
-            axes = ()
-        elif isinstance(axes, str):
-            axes = (axes,)
-        axes = tuple(axes)
-        for a in axes:
-            if a not in mesh.axes:
-                raise LayoutError(f"layout[{key!r}] names mesh axis {a!r}; this mesh has axes {list(mesh.names)}")
-        if len(set(axes)) != len(axes):
-            raise LayoutError(f"layout[{key!r}] repeats a mesh axis: {axes}")
-        # Axes splitting one dim nest in mesh order (the first mesh axis is the major split).
-        axes = tuple(sorted(axes, key=mesh.names.index))
-        matches = info.lookup(key)
-        if not matches:
-            known = set(info.names.values())
-            inferred = next((n for n in info.all_names() if n not in known), "")
-            raise LayoutError(f"layout names dim {key!r}, which no tensor has; named dims are {sorted(known)} "
-                              f"(inferred names such as '{inferred}' and globs work too)")
-        for name, leaf_lists in matches.items():
-            assignment[name] = axes
-            for lv in leaf_lists:
-                size = math.prod(info.table.size[a] for a in lv)
-                sizes[name] = size
-                degree = 1
-                for a in axes:
-                    degree *= mesh.axes[a]
-                    if size % degree:
-                        raise LayoutError(f"dim {name!r} has size {size}, which mesh axes {axes[:axes.index(a) + 1]} "
-                                          f"(together {degree} ranks) cannot split evenly")
-                    prod, k = 1, 0
-                    while prod % degree:
-                        prod *= info.table.size[lv[k]]
-                        k += 1
-                    unit = tuple(lv[:max(k, 1)])
-                    if unit not in units[a]:
-                        units[a].append(unit)
-    return Layout(assignment, units, sizes)
+    for key, axes in hard.items():
+        _resolve_entry(info, mesh, key, axes, assignment, units, sizes)
+    soft_units = {a: [] for a in mesh.names}
+    soft_assignment = {}
+    for key, axes in soft.items():
+        _resolve_entry(info, mesh, key, axes, soft_assignment, soft_units, sizes)
+    for name in set(soft_assignment) & set(assignment):
+        raise LayoutError(f"layout gives dim {name!r} both a hard and a soft entry")
+    return Layout(assignment, units, sizes, {a: u for a, u in soft_units.items() if u}, soft_assignment)
+
+
+def _resolve_entry(info, mesh, key, axes, assignment, units, sizes):
+    if axes is None:
+        axes = ()
+    elif isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(axes)
+    for a in axes:
+        if a not in mesh.axes:
+            raise LayoutError(f"layout[{key!r}] names mesh axis {a!r}; this mesh has axes {list(mesh.names)}")
+    if len(set(axes)) != len(axes):
+        raise LayoutError(f"layout[{key!r}] repeats a mesh axis: {axes}")
+    # Axes splitting one dim nest in mesh order (the first mesh axis is the major split).
+    axes = tuple(sorted(axes, key=mesh.names.index))
+    matches = info.lookup(key)
+    if not matches:
+        known = set(info.names.values())
+        inferred = next((n for n in info.all_names() if n not in known), "")
+        raise LayoutError(f"layout names dim {key!r}, which no tensor has; named dims are {sorted(known)} "
+                          f"(inferred names such as '{inferred}' and globs work too)")
+    for name, leaf_lists in matches.items():
+        assignment[name] = axes
+        for lv in leaf_lists:
+            size = math.prod(info.table.size[a] for a in lv)
+            sizes[name] = size
+            degree = 1
+            for a in axes:
+                degree *= mesh.axes[a]
+                if size % degree:
+                    raise LayoutError(f"dim {name!r} has size {size}, which mesh axes {axes[:axes.index(a) + 1]} "
+                                      f"(together {degree} ranks) cannot split evenly")
+                prod, k = 1, 0
+                while prod % degree:
+                    prod *= info.table.size[lv[k]]
+                    k += 1
+                unit = tuple(lv[:max(k, 1)])
+                if unit not in units[a]:
+                    units[a].append(unit)
 
 
 @dataclass
@@ -181,12 +199,13 @@ class _Rewriter:
         self.collectives: list = []
         self.fallbacks: list = []
         self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
+        self.soft_gathers: dict = {}  # (local node, axis) -> its one gather (soft entries)
         self.tag = 0
 
     # ------------------------------------------------------------------ layout queries
-    def unit_of(self, atoms, axis) -> Optional[tuple]:
+    def unit_of(self, atoms, axis, soft=False) -> Optional[tuple]:
         lv = self.info.leaves(atoms)
-        for u in self.layout.units[axis]:
+        for u in (self.layout.soft.get(axis, ()) if soft else self.layout.units[axis]):
             if lv[: len(u)] == u:
                 return u
         return None
@@ -205,6 +224,9 @@ class _Rewriter:
                     f"mesh axis {a!r} would shard two dims of one tensor, {names[0]!r} (dim {hits[0]}) and "
                     f"{names[1]!r} (dim {hits[1]}), at {self.where(node)}: only diagonal blocks of it would exist; "
                     f"shard one of them on another axis or not at all")
+            if not hits and self.layout.soft.get(a):  # a soft entry where the axis is free
+                d = soft_dim(self.info, node, out, self.layout, a, self.rg)
+                hits = [] if d is None else [d]
             place.append(Shard(hits[0]) if hits else R)
         return tuple(place)
 
@@ -260,6 +282,18 @@ class _Rewriter:
                     # ZeRO-2: read the full copy gathered after the last optimizer step.
                     node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
                                      extra_inputs=(self.full_copies[src.name],))
+                elif (isinstance(s, Shard) and isinstance(t, Replicate) and needs_grad
+                      and self.soft_split(src, out, s.dim, a)):
+                    # A soft-sharded activation is gathered once for all its readers: varying
+                    # ones (column-parallel projections) take it as is, replicated ones through
+                    # replicated_use, so the one backward reduce-scatter sums every gradient once.
+                    self.check_nesting(state, a, s.dim, src, consumer)
+                    if (node, a) not in self.soft_gathers:
+                        self.soft_gathers[(node, a)] = self.emit(C.all_gather_varying, node, a, (s.dim,), src,
+                                                                 consumer, reason, s, t)
+                    node = self.soft_gathers[(node, a)]
+                    if a not in varying:
+                        node = self.emit(C.replicated_use, node, a, (), src, consumer, reason, R, t)
                 elif isinstance(s, Shard) and not isinstance(t, Shard):
                     self.check_nesting(state, a, s.dim, src, consumer)
                     fn = C.all_gather_varying if a in varying and isinstance(t, Replicate) else C.all_gather
@@ -309,6 +343,13 @@ class _Rewriter:
         o = place[axis_ix]
         return (order is not None and order[1] == "zigzag" and isinstance(o, Shard)
                 and self.unit_of(self.info.of(node)[o.dim], a) == order[0])
+    def soft_split(self, src, out, dim, axis) -> bool:
+        """Whether ``src``'s ``dim`` is split on ``axis`` by a soft entry."""
+        if not self.layout.soft.get(axis):
+            return False
+        atoms = self.info.of(src, out or 0)[dim]
+        return bool(atoms) and self.unit_of(atoms, axis) is None and soft_unit(
+            self.info, atoms, self.layout.soft[axis]) is not None
 
     def check_nesting(self, state, axis, dim, src, consumer):
         """Axes sharding one dim nest in mesh order; only the innermost may change alone."""
@@ -353,6 +394,9 @@ class _Rewriter:
             return f"{self.partial_why.get((src, axis), name + ' is a partial sum')}; {op} needs it whole"
         if fn == "mark_varying":
             return f"replicated {name} feeds per-rank work on {axis} in {op}: backward sums its gradient"
+        if fn == "replicated_use":
+            return (f"gathered {name} is also read whole by {op} on {axis}: rank 0 carries its gradient into the "
+                    f"gather's reduce-scatter")
         st = self.storage.get(src.name)
         if st is not None and axis == st.axis and fn in ("all_gather", "all_gather_varying", "use_persistent"):
             when = {"use_persistent": "kept whole since the last optimizer step",
@@ -512,7 +556,24 @@ class _Rewriter:
         return modes
 
     def feasible(self, node, ix, letter, axis) -> bool:
-        """Every operand dim carrying ``letter`` must start with the axis's unit."""
+        """Every operand dim carrying ``letter`` must start with the axis's unit (a hard one, or
+        a soft one where no operand is claimed by a hard entry: passes/soft.py)."""
+        return self.feasible_hard(node, ix, letter, axis) or (
+            bool(self.layout.soft.get(axis)) and self.feasible_soft(node, ix, letter, axis))
+
+    def feasible_soft(self, node, ix, letter, axis) -> bool:
+        tensors, carrying = [], []
+        for path, letters in ix.inputs:
+            dims = self.info.of(get_path(node, path))
+            tensors.append(dims)
+            carrying += [dims[d] for d, l in enumerate(letters) if l == letter]
+        for k, letters in enumerate(ix.outputs):
+            dims = self.info.of(node, k)
+            tensors.append(dims)
+            carrying += [dims[d] for d, l in enumerate(letters) if l == letter]
+        return soft_feasible(self.info, tensors, carrying, self.layout, axis)
+
+    def feasible_hard(self, node, ix, letter, axis) -> bool:
         unit = None
         for path, letters in ix.inputs:
             src = get_path(node, path)
@@ -674,8 +735,10 @@ class _Rewriter:
         for i, a in enumerate(self.axes):
             o = cur[i]
             if isinstance(o, Shard):
-                unit = self.unit_of(in_dims[o.dim], a)
-                hit = [d for d, atoms in enumerate(out_dims) if atoms and unit and self.unit_of(atoms, a) == unit]
+                soft = self.unit_of(in_dims[o.dim], a) is None  # split by a soft entry
+                unit = self.unit_of(in_dims[o.dim], a, soft)
+                hit = [d for d, atoms in enumerate(out_dims)
+                       if atoms and unit and self.unit_of(atoms, a, soft) == unit]
                 if hit:
                     target.append(o)
                     out_place.append(Shard(hit[0]))

@@ -45,6 +45,7 @@ KINDS = {
     "shard_slice": (None, "all_gather"),
     "all_to_all": ("all_to_all", "all_to_all"),
     "to_partial": (None, None),
+    "replicated_use": (None, None),  # semantics: tests/test_sequence_parallel.py
     "use_persistent": (None, "reduce_scatter"),
     "gather_unit": ("all_gather", "reduce_scatter"),  # semantics: tests/test_units.py
     "dispatch": ("all_to_all", "all_to_all"),  # variable splits, costed as all-to-all

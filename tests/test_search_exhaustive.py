@@ -25,6 +25,7 @@ from autoshard import Mesh
 from autoshard.cost import DeviceSpec, Hardware, LinkSpec, load_hardware
 from autoshard.cost.model import CostModel, program_cost
 from autoshard.cost.search import SearchSpace, search_layout
+from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.api import apply_dim_names
@@ -153,6 +154,12 @@ def exhaustive_minimum(cap, info, mesh, cm, train, memory_limit):
         cost = program_cost(program, cap.inputs, vals, mesh, cm, train=train, zero_stage=c.zero_stage,
                             data_axes=axes, bucket_bytes=space.bucket_bytes if space._bucketing(c.zero_stage, axes) else 0)
         n += 1
+        if memory_limit is not None and cost.memory["peak"] > memory_limit and train:
+            # activation checkpointing is part of the space: a candidate over the limit may fit
+            # with its blocks recomputed (never faster, so only then)
+            cost = checkpointed_program_cost(program, cap.inputs, vals, mesh, cm, train=train, zero_stage=c.zero_stage,
+                                             data_axes=axes,
+                                             bucket_bytes=space.bucket_bytes if space._bucketing(c.zero_stage, axes) else 0)
         if memory_limit is not None and cost.memory["peak"] > memory_limit:
             continue
         if best is None or cost.step_time < best[0]:

@@ -100,8 +100,7 @@ class GradBuckets:
                 p = self.params[n]
                 piece = summed[offset: offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
-                if p.grad is None:
-                    p.grad = piece  # a view of the bucket's private result: no copy
-                else:
-                    p.grad.copy_(piece)
+                # a view of the bucket's private result replaces the local gradient: no copy
+                # (the flat buffer is new each step, so no two steps share it)
+                p.grad = piece
         self._reset()

@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import units
-from .backend import check_divisible
+from .backend import Pending, check_divisible
 from .context import CollectiveRecord, RankContext, activate, current, current_or_none
 
 
@@ -59,6 +59,10 @@ ADJOINTS: dict[str, Adjoint] = {
     "shard_slice":        Adjoint("slice",          "all_gather"),      # Replicate -> Shard(d)
     "all_to_all":         Adjoint("all_to_all",     "all_to_all"),      # Shard(g) -> Shard(s), reversed backward
     "to_partial":         Adjoint("keep_first",     "identity"),        # Replicate -> Partial
+    # A value gathered once for varying readers (all_gather_varying) also read by replicated
+    # work: that work's gradient is whole and identical on every rank, so rank 0 keeps it and
+    # the gather's backward reduce-scatter counts it once (sequence parallelism, tp > kv heads).
+    "replicated_use":     Adjoint("identity",       "keep_first"),      # Replicate, replicated use
     # ZeRO-2: a parameter shard read through the full copy kept since the last optimizer step.
     "use_persistent":     Adjoint("identity",       "reduce_scatter"),  # Shard(d) -> Replicate, varying use
     # ZeRO-3 / FSDP unit: all_gather_varying of several parameters in one flat buffer.
@@ -108,6 +112,12 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
         return x.clone() if ctx.coord(axis) == 0 else torch.zeros_like(x)
     if primitive == "reduce_scatter" or primitive == "all_to_all":
         check_divisible(x, axis, dims[0], n, op if op == primitive else f"{op} ({primitive})")
+    if n == 1 and primitive in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        # A group of one: the sum, gather or exchange is the input itself. No backend call
+        # (nothing to wait for), one copy (the output must not alias the input, as above).
+        ctx.trace.append(CollectiveRecord(kind=primitive, axis=axis, bytes=x.numel() * x.element_size(), phase=phase,
+                                          tag=tag, op=op, shape=tuple(x.shape), dtype=x.dtype))
+        return x.clone()
     return _call_backend(ctx, primitive, primitive, x, axis, dims, op, tag, phase)
 
 
@@ -138,6 +148,8 @@ def _start(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, op: str
     """Issue a dim-0 all-gather / reduce-scatter of a flat buffer without waiting (a backend
     that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it at the
     same point of the program, so the order of collectives stays the same on all ranks."""
+    if ctx.mesh.axis_size(axis) == 1:
+        return Pending(_run(ctx, primitive, x, axis, (0,), op, tag, phase))  # a group of one: done
     return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase)
 
 
@@ -311,6 +323,19 @@ def to_partial(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tens
         bias_p = to_partial(bias, "tp")    # added to a partial sum, counted once after all_reduce
     """
     return _apply("to_partial", x, axis, (), tag)
+
+
+def replicated_use(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+    """A gathered value (``all_gather_varying``) read by replicated work: identity forward;
+    backward keeps the (identical) gradient on axis index 0 and zeros elsewhere, so the gather's
+    reduce-scatter adds it once.
+
+    Example::
+
+        x_full = all_gather_varying(x_rows, "tp", 1)    # read by column-parallel q_proj ...
+        k = replicated_use(x_full, "tp") @ w_k.T         # ... and by a whole k_proj
+    """
+    return _apply("replicated_use", x, axis, (), tag)
 
 
 def use_persistent(shard: torch.Tensor, full: torch.Tensor, axis: str, dim: int,
@@ -573,10 +598,7 @@ class _GatherUnit(torch.autograd.Function):
         leaves = fctx.leaves
         grads = [g.detach() if g is not None else torch.zeros(shape, dtype=dt)
                  for g, shape, dt in zip(grads, fctx.full_shapes, fctx.dtypes)]
-        flat = units.pack_grads(grads, fctx.dims, n)
-        wide = reduce_dtype_for(rctx, flat)
-        if wide is not None:
-            flat = flat.to(wide)
+        flat = units.pack_grads(grads, fctx.dims, n, dtype=reduce_dtype_for(rctx, grads[0]))
         none = (None,) * 4
         key = ("gather_unit", fctx.tag, axis)
         if axis in rctx.defer_axes:
@@ -628,6 +650,7 @@ COLLECTIVES = {
     "shard_slice": shard_slice,
     "all_to_all": all_to_all,
     "to_partial": to_partial,
+    "replicated_use": replicated_use,
     "use_persistent": use_persistent,
     "gather_unit": gather_unit,
     "dispatch": dispatch,

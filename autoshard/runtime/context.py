@@ -74,6 +74,8 @@ class RankContext:
     # back to the gradient's dtype.
     reduce_dtype: Any = None
     landing: Any = None
+    # Activation memory: a runtime.recompute.SavedBytes counting what autograd saves for backward.
+    saved_tracker: Any = None
 
     def __post_init__(self):
         self.coords = self.mesh.coords(self.rank)

@@ -36,13 +36,49 @@ _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into
 _reduce_scatter_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _group_timeout(group):
+    """The timeout of a process group's backend (None if torch does not say)."""
+    try:
+        backend = group._get_backend(torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _timeout_override(mesh, timeout):
+    """``backend_override`` for ``init_device_mesh`` giving every axis group ``timeout`` (a
+    timedelta or seconds; None: the default group's). None when torch offers no options."""
+    from datetime import timedelta
+
+    if timeout is None:
+        timeout = _group_timeout(dist.distributed_c10d._get_default_group())
+        if timeout is None:
+            return None
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    name = dist.get_backend()
+    make = {"gloo": getattr(dist.ProcessGroupGloo, "_Options", None) if hasattr(dist, "ProcessGroupGloo") else None,
+            "nccl": getattr(dist.ProcessGroupNCCL, "Options", None) if hasattr(dist, "ProcessGroupNCCL") else None
+            }.get(name)
+    if make is None:
+        return None
+    override = {}
+    for axis in mesh.names:
+        opts = make()
+        opts._timeout = timeout
+        override[axis] = (name, opts)
+    return override
+
+
 class DistributedBackend(Backend):
     """Collectives over the process groups of ``device_mesh`` (built if not given).
 
     ``mesh`` may itself wrap a DeviceMesh (``Mesh(device_mesh)``); then that one is used.
+    Every axis group gets ``timeout`` (seconds or a timedelta; default: the default process
+    group's), so a stalled peer fails a collective within it on every axis.
     """
 
-    def __init__(self, mesh, device_type: str = "cpu", device_mesh=None):
+    def __init__(self, mesh, device_type: str = "cpu", device_mesh=None, timeout=None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedBackend needs torch.distributed.init_process_group() first")
         if dist.get_world_size() != mesh.size:
@@ -52,7 +88,10 @@ class DistributedBackend(Backend):
             device_mesh = getattr(mesh, "device_mesh", None)
         if device_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
-            device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names)
+            # Every axis group gets the job's timeout (init_device_mesh's own groups would get
+            # torch's default, 30 minutes, whatever init_process_group was given).
+            device_mesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.names,
+                                           backend_override=_timeout_override(mesh, timeout))
         self.mesh = mesh
         self.device_mesh = device_mesh
         self._sends: list = []  # (work, buffer) of sends in flight
@@ -65,6 +104,11 @@ class DistributedBackend(Backend):
             if got != mesh.group(axis, rank):
                 raise ValueError(f"DeviceMesh group for axis {axis!r} on rank {rank} is {got}, "
                                  f"but {mesh} expects {mesh.group(axis, rank)}")
+
+    @property
+    def timeouts(self) -> dict:
+        """{axis: timeout of its process group} (what a stalled peer costs at most)."""
+        return {axis: _group_timeout(g) for axis, g in self.groups.items()}
 
     def check(self, mesh, rank):
         if mesh != self.mesh:

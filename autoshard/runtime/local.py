@@ -130,9 +130,10 @@ class LocalModule(nn.Module):
             else:
                 self.register_buffer(slot.name, piece, persistent=False)
                 self._values[slot.name] = piece
-        if spec.buckets:
+        if spec.buckets and mesh.axes[spec.data_axes[0]] > 1:
             # Data-parallel gradient sync of replicated parameters is not in the program: it
-            # runs as bucketed all-reduces started from gradient hooks, overlapping backward.
+            # runs as bucketed all-reduces started from gradient hooks, overlapping backward
+            # (on a data axis of size one there is nothing to sum: no buckets, no copies).
             names = [ns for _, ns in spec.buckets]
             GradBuckets({n: self._values[n] for ns in names for n in ns}, names, spec.data_axes[0],
                         tags=[tag for tag, _ in spec.buckets]).attach()
@@ -163,12 +164,18 @@ class LocalModule(nn.Module):
     def run_flat(self, flat_user: list) -> list:
         """The program's flat local outputs for the flat global user inputs."""
         inputs = self.local_inputs(flat_user)
+        ctx = current("LocalModule")
         if self.spec.reduce_dtype is not None:
-            current("LocalModule").reduce_dtype = self.spec.reduce_dtype
-        if not self.spec.reshard_tags or not torch.is_grad_enabled():
+            ctx.reduce_dtype = self.spec.reduce_dtype
+        if not torch.is_grad_enabled():
             return list(self.spec.forward(*inputs))
-        current("LocalModule").reshard_tags = self.spec.reshard_tags
-        with reshard_after_forward():
+        with contextlib.ExitStack() as stack:
+            if self.spec.reshard_tags:
+                ctx.reshard_tags = self.spec.reshard_tags
+                stack.enter_context(reshard_after_forward())
+            if ctx.saved_tracker is not None:
+                # innermost, so it sees what the resharding hooks keep and what they release
+                stack.enter_context(ctx.saved_tracker.hooks())
             return list(self.spec.forward(*inputs))
 
     @contextlib.contextmanager

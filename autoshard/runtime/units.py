@@ -45,10 +45,18 @@ def unpack_full(flat: torch.Tensor, shard_shapes, dims, n: int) -> list:
     return out
 
 
-def pack_grads(grads, dims, n: int) -> torch.Tensor:
-    """The reduce-scatter input ``[n * S]``: row ``r`` is block ``r`` of every gradient."""
-    cols = [g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0).reshape(n, -1) for g, d in zip(grads, dims)]
-    return torch.cat(cols, 1).reshape(-1)
+def pack_grads(grads, dims, n: int, dtype=None) -> torch.Tensor:
+    """The reduce-scatter input ``[n * S]``: row ``r`` is block ``r`` of every gradient, in
+    ``dtype`` (default: the gradients'). Each gradient is copied once, straight into its
+    columns (a cast, if any, happens in the same copy)."""
+    sizes = [g.numel() // n for g in grads]
+    flat = torch.empty((n, sum(sizes)), dtype=dtype or grads[0].dtype, device=grads[0].device)
+    off = 0
+    for g, d, k in zip(grads, dims, sizes):
+        block = g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0)  # [n, ...block] (a view)
+        flat[:, off:off + k].view((n,) + tuple(block.shape[1:])).copy_(block)
+        off += k
+    return flat.reshape(-1)
 
 
 def unpack_shards(flat: torch.Tensor, shard_shapes) -> list:

@@ -1,0 +1,73 @@
+"""Per-step overhead of the runtime: what a plan's program does beyond the model's own ops.
+
+On a mesh axis of size one a collective is its input: the program must not call the backend
+(no rendezvous, no bucket copies) and must still train exactly like the single-device model.
+Unit gradient packing writes each gradient once into the flat reduce-scatter buffer."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Mesh
+from autoshard.runtime import Backend, rank_context
+from autoshard.runtime.units import pack_grads, pack_shards, unpack_full, unpack_shards
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.models import llama_tiny  # noqa: E402
+from exactness import reference_train  # noqa: E402
+
+
+class NoCalls(Backend):
+    """A backend that fails on any communication."""
+
+    def __getattribute__(self, name):
+        if name in ("check",):
+            return object.__getattribute__(self, name)
+        raise AssertionError(f"the program called the backend's {name} on a mesh of size one")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_mesh_of_one_calls_no_backend_and_trains_exactly(stage):
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 1}), dims=dims, layout={"batch": "dp"}, train=True,
+                               zero_stage=stage)
+    assert any(c.kind == "all_reduce" for c in plan.collectives)  # the plan lists them; they cost nothing
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    with rank_context(plan.mesh, 0, NoCalls()) as ctx:
+        local = plan.build(0)
+        opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
+        losses = []
+        for _ in range(3):
+            loss = local(*args)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert ctx.trace  # still recorded, as on any mesh
+    params = {local.fqn_of[n]: p.detach() for n, p in local.named_parameters()}
+    ref_losses, ref_params = reference_train(model, [args] * 3, make_opt)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=3e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_pack_grads_layout_matches_blocks():
+    """Row r of the packed buffer is block r of every gradient along its storage dim, also
+    when cast to a wider dtype on the way (derived here with chunk, not with the packer)."""
+    n = 2
+    g1 = torch.arange(24.0).reshape(4, 6)
+    g2 = torch.arange(10.0).reshape(2, 5) + 100
+    flat = pack_grads([g1, g2], (1, 0), n).view(n, -1)
+    for r in range(n):
+        want = torch.cat([g1.chunk(n, 1)[r].reshape(-1), g2.chunk(n, 0)[r].reshape(-1)])
+        assert torch.equal(flat[r], want)
+    wide = pack_grads([g1.bfloat16(), g2.bfloat16()], (1, 0), n, dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide, flat.reshape(-1))
+    # and the gather side inverts the shard packing
+    shards = [g1.chunk(n, 1)[0].contiguous(), g2.chunk(n, 0)[0].contiguous()]
+    rows = torch.cat([pack_shards([g1.chunk(n, 1)[r], g2.chunk(n, 0)[r]]) for r in range(n)])
+    full = unpack_full(rows, [tuple(s.shape) for s in shards], (1, 0), n)
+    assert torch.equal(full[0], g1) and torch.equal(full[1], g2)
+    assert [tuple(t.shape) for t in unpack_shards(flat[0], [(4, 3), (1, 5)])] == [(4, 3), (1, 5)]
