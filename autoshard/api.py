@@ -38,6 +38,7 @@ from autoshard.passes.checkpoint import block_name, block_regions
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
+from autoshard.passes.param_names import name_parameter_dims
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
 from autoshard.cost.context import choose_variant
@@ -143,6 +144,9 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     info = infer_dims(cap.graph, origins)
     apply_dim_names(info, cap, dims)
     find_expert_regions(cap.graph, info, **_moe_options(moe))
+    if searching:
+        # dims of parameters nobody named get readable names, so the search can shard them
+        name_parameter_dims(info, cap.graph, cap.inputs)
     timings["dims"] = time.perf_counter() - t
     _progress(verbose, f"named dims in {timings['dims']:.2f}s")
 

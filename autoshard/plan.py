@@ -19,6 +19,8 @@ from torch.utils import _pytree as pytree
 from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
+from .runtime import checkpoint as dist_checkpoint
+from .runtime.clip import clip_grad_norm_
 from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
@@ -207,10 +209,22 @@ class Plan:
         """
         return ShardedOptimizer(local, lambda params: optimizer_cls(params, **kwargs))
 
-    def simulate_train(self, batches, optimizer=None, microbatches: int = 1):
+    def clip_grad_norm_(self, local: LocalModule, max_norm: float) -> float:
+        """Clip ``local``'s gradients to the global 2-norm ``max_norm`` over every shard and mesh
+        axis, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; returns the norm.
+        Call on every rank after backward (see :mod:`autoshard.runtime.clip`).
+
+        Example::
+
+            loss.backward(); plan.clip_grad_norm_(local, 1.0); opt.step()
+        """
+        return clip_grad_norm_(local, max_norm)
+
+    def simulate_train(self, batches, optimizer=None, microbatches: int = 1, clip_grad_norm=None):
         """Train on the simulated mesh: one step per element of ``batches`` (an argument
         tuple; with ``microbatches=k`` a list of k tuples whose gradients accumulate, each loss
-        scaled by 1/k, communicating on the data axes only in the last one). Returns
+        scaled by 1/k, communicating on the data axes only in the last one); ``clip_grad_norm``:
+        clip to that global gradient norm before each step. Returns
         ``(per-step losses, {param FQN: full parameter after the last step})``.
 
         Example::
@@ -240,6 +254,8 @@ class Plan:
                         loss = local.run_flat(self.captured.flatten_args(tuple(mb), {}))[li]
                         (loss / len(step)).backward()
                     total += loss.item() / len(step)
+                if clip_grad_norm is not None:
+                    clip_grad_norm_(local, clip_grad_norm)
                 opt.step()
                 opt.zero_grad()
                 losses.append(total)
@@ -253,6 +269,37 @@ class Plan:
             if kept in params:
                 params[alias] = params[kept]
         return results[0][0], params
+
+    # ------------------------------------------------------------------ checkpoints (runtime.checkpoint)
+    def checkpoint_info(self) -> dict:
+        """What a checkpoint records about the model: tied aliases and its state dict's keys
+        (so :func:`autoshard.consolidate` returns exactly what ``load_state_dict`` expects)."""
+        return {"model": type(self.model).__name__, "aliases": dict(self.captured.aliases),
+                "state_dict_keys": list(self.model.state_dict().keys())}
+
+    def save_checkpoint(self, local: LocalModule, optimizer, path, *, step=None, extra=None):
+        """Write this rank's pieces of parameters, buffers and optimizer state to the
+        checkpoint directory ``path`` with torch.distributed.checkpoint; call on every rank
+        inside its rank context. Atomic: a save killed mid-way never loads. See
+        :mod:`autoshard.runtime.checkpoint`.
+
+        Example::
+
+            plan.save_checkpoint(local, opt, "ckpt/step-2", step=2)
+        """
+        return dist_checkpoint.save(local, optimizer, path, step=step, extra=extra, info=self.checkpoint_info())
+
+    def load_checkpoint(self, local: LocalModule, optimizer, path, *, strict: bool = True) -> dict:
+        """Load this rank's pieces from a checkpoint written under any plan (another mesh,
+        layout or ZeRO stage); returns its manifest (``step``, ``extra``). Fails with one line
+        naming the first missing or mis-shaped tensor, or saying the checkpoint is incomplete.
+
+        Example::
+
+            local = plan.build(rank); opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
+            step = plan.load_checkpoint(local, opt, "ckpt/step-2")["step"]
+        """
+        return dist_checkpoint.load(local, optimizer, path, strict=strict)
 
     def state_bytes(self, optimizer_states: int = 2) -> dict:
         """Predicted bytes of parameters, gradients and optimizer state per rank, from the
