@@ -41,6 +41,7 @@ from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.param_names import name_parameter_dims
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
+from autoshard.cost.context import choose_variant
 from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.cost.units import choose_units
 from autoshard.cost.search import plan_search
@@ -53,7 +54,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
               verbose: bool = False, captured=None, precision=None, checkpoint: Optional[bool] = None,
-              strict: bool = False) -> Plan:
+              context: Optional[dict] = None, strict: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -92,6 +93,12 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ``experts`` and ``layout={"experts": "ep"}`` places experts on ``ep`` with dispatch and
     combine all-to-alls. ``moe={"capacity_factor": 1.25}`` caps the rows per expert (the drop
     policy of ``autoshard.runtime.experts``); the default is dropless.
+
+    Context parallelism: a layout that splits attention's query sequence (``{"seq": "cp"}``)
+    runs it as ring attention or all-gather-KV attention, chosen by cost
+    (``autoshard.passes.context``); ``context={"order": "zigzag" | "contiguous", "variant":
+    "ring" | "allgather"}`` fixes the sequence order (zigzag by default for causal or masked
+    attention) or the variant.
 
     ``checkpoint`` (training): recompute each repeated block's activations in backward instead
     of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks). True /
@@ -178,7 +185,12 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     def build(policy):
         return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
                              reshard=True if reshard_after_forward is None else reshard_after_forward,
-                             bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy)
+                             bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
+                             context=context_options)
+
+    context_options = dict(context or {})
+    if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses
+        context_options["variant"] = choose_variant(cost_model or _cost_model(hardware), mesh)
 
     if units is None and stage == 3 and bucket_mb and searching and pipe is None:
         # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
