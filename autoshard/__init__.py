@@ -25,6 +25,8 @@ _FACADE = {
     "DropoutWarning": "autoshard.passes.guards",
     "InputMismatchError": "autoshard.runtime.inputs",
     "CaptureError": "autoshard.passes.export_errors",
+    "consolidate": "autoshard.runtime.checkpoint",
+    "CheckpointError": "autoshard.runtime.checkpoint",
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -38,8 +38,10 @@ from autoshard.passes.checkpoint import block_name, block_regions
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
+from autoshard.passes.param_names import name_parameter_dims
 from autoshard.passes.spmd import LayoutError, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
+from autoshard.cost.context import choose_variant
 from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.cost.units import choose_units
 from autoshard.cost.search import plan_search
@@ -51,7 +53,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
-              verbose: bool = False, captured=None, precision=None, checkpoint: Optional[bool] = None) -> Plan:
+              verbose: bool = False, captured=None, precision=None, checkpoint: Optional[bool] = None,
+              context: Optional[dict] = None, strict: bool = False) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -91,10 +94,20 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     combine all-to-alls. ``moe={"capacity_factor": 1.25}`` caps the rows per expert (the drop
     policy of ``autoshard.runtime.experts``); the default is dropless.
 
+    Context parallelism: a layout that splits attention's query sequence (``{"seq": "cp"}``)
+    runs it as ring attention or all-gather-KV attention, chosen by cost
+    (``autoshard.passes.context``); ``context={"order": "zigzag" | "contiguous", "variant":
+    "ring" | "allgather"}`` fixes the sequence order (zigzag by default for causal or masked
+    attention) or the variant.
+
     ``checkpoint`` (training): recompute each repeated block's activations in backward instead
     of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks). True /
     False forces it; None lets the search turn it on when the plan fits ``memory_limit`` only
-    with it (``autoshard.cost.checkpoint``)."""
+    with it (``autoshard.cost.checkpoint``).
+
+    ``strict=True``: refuse (``LayoutError``) a plan that gathers in forward a value the layout
+    shards (an op without a rule, or one that needs the dim whole; ``plan.unsharded`` lists them,
+    ``print(plan)`` shows them in any case)."""
     check_zero_stage(zero_stage)
     check_layout(layout)
     check_dims(dims)
@@ -135,6 +148,9 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     info = infer_dims(cap.graph, origins)
     apply_dim_names(info, cap, dims)
     find_expert_regions(cap.graph, info, **_moe_options(moe))
+    if searching:
+        # dims of parameters nobody named get readable names, so the search can shard them
+        name_parameter_dims(info, cap.graph, cap.inputs)
     timings["dims"] = time.perf_counter() - t
     _progress(verbose, f"named dims in {timings['dims']:.2f}s")
 
@@ -169,7 +185,12 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     def build(policy):
         return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
                              reshard=True if reshard_after_forward is None else reshard_after_forward,
-                             bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy)
+                             bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
+                             context=context_options)
+
+    context_options = dict(context or {})
+    if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses
+        context_options["variant"] = choose_variant(cost_model or _cost_model(hardware), mesh)
 
     if units is None and stage == 3 and bucket_mb and searching and pipe is None:
         # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
@@ -203,6 +224,10 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     plan.reduce_dtype = reduce_dtype
     if reduce_dtype is not None:
         widen_gradient_sums(program, reduce_dtype, param_dtype)
+    if strict and plan.unsharded:
+        lapses = plan.unsharded
+        raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
+                          f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
     return plan
 
 

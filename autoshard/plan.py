@@ -19,6 +19,8 @@ from torch.utils import _pytree as pytree
 from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
+from .runtime import checkpoint as dist_checkpoint
+from .runtime.clip import clip_grad_norm_
 from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
@@ -26,6 +28,25 @@ from autoshard.cost.report import alternatives, cost_report, explain
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
+
+
+@dataclass(frozen=True)
+class Unsharded:
+    """A value the layout shards on ``axis`` that the plan gathers whole in forward (see
+    :attr:`Plan.unsharded`)."""
+
+    dim: str  # the named dim that stops being sharded
+    axis: str
+    value: str  # the graph value gathered
+    where: str  # module of the op that needs it whole
+    line: str  # that op's source line
+    bytes: int  # this rank's input to the gather
+    why: str
+    tag: int = -1
+
+    def __str__(self):
+        return (f"dim {self.dim!r} of {self.value} is gathered whole on {self.axis} ({self.bytes} bytes/rank) "
+                f"in {self.where or '<root>'} at {self.line}: {self.why}")
 
 
 @dataclass
@@ -66,6 +87,34 @@ class Plan:
     def graph_module(self) -> torch.fx.GraphModule:
         """The per-rank program (aten ops and autoshard collectives)."""
         return self.program.graph_module
+
+    @property
+    def unsharded(self) -> list:
+        """Where the layout is not carried out: every forward all-gather that makes a value whole
+        on an axis its layout shards it on (an op without a rule, or one that needs that dim
+        whole), as :class:`Unsharded` records (dim, axis, value, module, source line, bytes, why).
+        ZeRO's gathers of stored parameter shards are the plan, not a lapse, and are not listed.
+        ``print(plan)`` and ``plan.explain()`` show them; ``autoshard(..., strict=True)`` refuses
+        a plan that has any.
+
+        Example::
+
+            for u in plan.unsharded:
+                print(u.dim, u.axis, u.where, u.line, u.bytes)
+        """
+        nodes = {n.name: n for n in self.captured.graph.nodes}
+        out = []
+        for c in self.program.collectives:
+            if c.phase != "forward" or c.kind != "all_gather" or c.op != "all_gather":
+                continue
+            dim = "?"
+            node, place = nodes.get(c.node), self.program.placements.get(c.node)
+            if node is not None and place is not None and node in self.info.dims:
+                owner = place[0][self.mesh.names.index(c.axes[0])]
+                if hasattr(owner, "dim"):
+                    dim = self.info.dim_name(self.info.of(node)[owner.dim])
+            out.append(Unsharded(dim, c.axes[0], c.node, c.where, c.line, c.bytes, c.why, c.tag))
+        return out
 
     def placement_of(self, name: str):
         """Placement (tuple per mesh axis) of a parameter FQN or a graph value name."""
@@ -207,10 +256,22 @@ class Plan:
         """
         return ShardedOptimizer(local, lambda params: optimizer_cls(params, **kwargs))
 
-    def simulate_train(self, batches, optimizer=None, microbatches: int = 1):
+    def clip_grad_norm_(self, local: LocalModule, max_norm: float) -> float:
+        """Clip ``local``'s gradients to the global 2-norm ``max_norm`` over every shard and mesh
+        axis, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; returns the norm.
+        Call on every rank after backward (see :mod:`autoshard.runtime.clip`).
+
+        Example::
+
+            loss.backward(); plan.clip_grad_norm_(local, 1.0); opt.step()
+        """
+        return clip_grad_norm_(local, max_norm)
+
+    def simulate_train(self, batches, optimizer=None, microbatches: int = 1, clip_grad_norm=None):
         """Train on the simulated mesh: one step per element of ``batches`` (an argument
         tuple; with ``microbatches=k`` a list of k tuples whose gradients accumulate, each loss
-        scaled by 1/k, communicating on the data axes only in the last one). Returns
+        scaled by 1/k, communicating on the data axes only in the last one); ``clip_grad_norm``:
+        clip to that global gradient norm before each step. Returns
         ``(per-step losses, {param FQN: full parameter after the last step})``.
 
         Example::
@@ -240,6 +301,8 @@ class Plan:
                         loss = local.run_flat(self.captured.flatten_args(tuple(mb), {}))[li]
                         (loss / len(step)).backward()
                     total += loss.item() / len(step)
+                if clip_grad_norm is not None:
+                    clip_grad_norm_(local, clip_grad_norm)
                 opt.step()
                 opt.zero_grad()
                 losses.append(total)
@@ -253,6 +316,37 @@ class Plan:
             if kept in params:
                 params[alias] = params[kept]
         return results[0][0], params
+
+    # ------------------------------------------------------------------ checkpoints (runtime.checkpoint)
+    def checkpoint_info(self) -> dict:
+        """What a checkpoint records about the model: tied aliases and its state dict's keys
+        (so :func:`autoshard.consolidate` returns exactly what ``load_state_dict`` expects)."""
+        return {"model": type(self.model).__name__, "aliases": dict(self.captured.aliases),
+                "state_dict_keys": list(self.model.state_dict().keys())}
+
+    def save_checkpoint(self, local: LocalModule, optimizer, path, *, step=None, extra=None):
+        """Write this rank's pieces of parameters, buffers and optimizer state to the
+        checkpoint directory ``path`` with torch.distributed.checkpoint; call on every rank
+        inside its rank context. Atomic: a save killed mid-way never loads. See
+        :mod:`autoshard.runtime.checkpoint`.
+
+        Example::
+
+            plan.save_checkpoint(local, opt, "ckpt/step-2", step=2)
+        """
+        return dist_checkpoint.save(local, optimizer, path, step=step, extra=extra, info=self.checkpoint_info())
+
+    def load_checkpoint(self, local: LocalModule, optimizer, path, *, strict: bool = True) -> dict:
+        """Load this rank's pieces from a checkpoint written under any plan (another mesh,
+        layout or ZeRO stage); returns its manifest (``step``, ``extra``). Fails with one line
+        naming the first missing or mis-shaped tensor, or saying the checkpoint is incomplete.
+
+        Example::
+
+            local = plan.build(rank); opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
+            step = plan.load_checkpoint(local, opt, "ckpt/step-2")["step"]
+        """
+        return dist_checkpoint.load(local, optimizer, path, strict=strict)
 
     def state_bytes(self, optimizer_states: int = 2) -> dict:
         """Predicted bytes of parameters, gradients and optimizer state per rank, from the
@@ -298,10 +392,20 @@ class Plan:
             rows.append([node.name, getattr(node.target, "__name__", str(node.target)), module_of(node),
                          tuple(val.shape), dims, describe(place, axes)])
         parts.append("Activations\n" + tabulate(rows, headers=["value", "op", "module", "shape", "dims", "owner"]))
-        rows = [[c.tag, c.phase, c.kind, ",".join(c.axes), c.bytes, c.where or "<root>", c.why]
-                for c in self.program.collectives]
-        parts.append(f"Collectives ({len(rows)})\n" + (tabulate(rows, headers=["#", "phase", "kind", "axis", "bytes/rank", "module", "why"])
-                                                     if rows else "none"))
+        # a forward-only plan (train=False) runs no backward: its backward collectives (what
+        # plan.simulate_grads or a .backward() would add) are counted, not listed as part of it
+        shown = [c for c in self.program.collectives if self.train or c.phase != "backward"]
+        rows = [[c.tag, c.phase, c.kind, ",".join(c.axes), c.bytes, c.where or "<root>", c.why] for c in shown]
+        held = len(self.program.collectives) - len(shown)
+        note = (f"; forward only (train=False): the {held} backward collectives a .backward() would add are in "
+                f"plan.collectives with phase 'backward'" if held else "")
+        parts.append(f"Collectives ({len(rows)}{note})\n" + (tabulate(rows, headers=["#", "phase", "kind", "axis", "bytes/rank", "module", "why"])
+                                                             if rows else "none"))
+        lapses = self.unsharded
+        if lapses:
+            rows = [[u.tag, u.dim, u.axis, u.value, u.where or "<root>", u.line, u.bytes, u.why] for u in lapses]
+            parts.append(f"Not sharded as the layout asks ({len(rows)} forward gathers; strict=True refuses them)\n"
+                         + tabulate(rows, headers=["#", "dim", "axis", "value", "module", "line", "bytes/rank", "why"]))
         if self.program.fallbacks:
             rows = [[op, mod or "<root>", line] for op, mod, line in self.program.fallbacks]
             parts.append("Ops without a rule (run replicated)\n" + tabulate(rows, headers=["op", "module", "line"]))

@@ -1,7 +1,7 @@
 """Planning time of the layout search for the 8B Llama-shaped model on the meta device.
 
 Run: .venv/bin/python benchmarks/search_8b.py [--layers 32 64] [--mesh dp=8,tp=8 | --auto 64]
-                                            [--train] [--hardware h100] [--repeat 3]
+                                            [--train] [--hardware h100] [--repeat 3] [--memory-limit 80GB]
 
 For each layer count: torch.export's time, then autoshard's own wall time beyond it (named dims,
 search, the final rewrite of the winner), the best of ``--repeat`` runs (this machine is
@@ -21,10 +21,11 @@ import autoshard.cost  # noqa: E402
 from examples.models import llama_8b_meta  # noqa: E402
 
 
-def plan_once(layers, mesh, train, hardware):
+def plan_once(layers, mesh, train, hardware, memory_limit=None):
     model, args, dims = llama_8b_meta(with_labels=True, num_layers=layers)
     w0 = time.perf_counter()
-    plan = autoshard.autoshard(model, args, mesh=mesh, dims=dims, train=train, hardware=hardware)
+    plan = autoshard.autoshard(model, args, mesh=mesh, dims=dims, train=train, hardware=hardware,
+                               memory_limit=memory_limit)
     wall = time.perf_counter() - w0
     cap = plan.timings["capture"]
     return plan, wall - cap, None, cap
@@ -38,13 +39,15 @@ def main(argv=None):
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--memory-limit", default=None,
+                    help='e.g. 80GB: candidates over it are pruned')
     a = ap.parse_args(argv)
     mesh = (autoshard.Mesh.auto(a.auto, ("dp", "tp")) if a.auto else
             autoshard.Mesh({k: int(v) for k, v in (p.split("=") for p in a.mesh.split(","))}))
     print(f"mesh {mesh}, {'training' if a.train else 'forward'}, hardware {a.hardware}, best of {a.repeat}")
     beyond = {}
     for L in a.layers:
-        runs = [plan_once(L, mesh, a.train, a.hardware) for _ in range(a.repeat)]
+        runs = [plan_once(L, mesh, a.train, a.hardware, a.memory_limit) for _ in range(a.repeat)]
         best = min(runs, key=lambda r: r[1])  # the least disturbed run
         plan, wall = best[0], best[1]
         cap = min(r[3] for r in runs)

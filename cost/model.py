@@ -47,6 +47,7 @@ from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.buckets import assign_buckets
 from autoshard.runtime.collectives import backward_collective
 
+from .context import attention_seconds
 from .comm import R as R_SYM, V as V_SYM, collective_bytes, collective_formula, collective_time
 from .compute import roofline_time
 from .hardware import Hardware, load_hardware, normalize_dtype
@@ -409,6 +410,17 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
             if node in rg and not is_param:
                 cur.saved_bytes += out_bytes
                 _add(cur.saved_by_module, _module_of_local(node), out_bytes)
+            cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
+            continue
+        att = (node.meta.get("autoshard") or {}).get("context")
+        if att is not None:  # ring / all-gather attention: its hops and compute (cost/context.py)
+            q, kv = node.args[0].meta["val"], node.args[1].meta["val"]
+            t, tb = attention_seconds(cm, mesh, att.axis, att.variant, tuple(q.shape), tuple(kv.shape),
+                                      q.element_size(), att.causal, att.order)
+            pend[0] += t
+            if node in rg:
+                pend[1] += tb
+                cur.saved_bytes += out_bytes
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
         t = op_seconds(cm, node.target, node.args, node.kwargs, outs)

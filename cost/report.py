@@ -138,6 +138,10 @@ def explain(plan) -> str:
             + (f"; ZeRO stage {plan.zero_stage} on {plan.data_axes[0]}" if getattr(plan, "zero_stage", 0) else "")
             + f". Predicted step {ms(cost.step_time)} (compute {ms(cost.compute)}, exposed communication "
             + f"{ms(cost.comm_exposed)}), peak memory {gb(cost.memory['peak'])} per rank.")
+    lapses = list(getattr(plan, "unsharded", []))
+    if lapses:
+        head += (f" Not sharded as the layout asks: {len(lapses)} forward gather(s), "
+                 f"{sum(u.bytes for u in lapses)} bytes/rank, e.g. {lapses[0]} (strict=True refuses this plan).")
     if res is None:
         return head + " The layout was given, not searched: there is no runner-up to compare with."
     lines = [head]

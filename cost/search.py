@@ -57,6 +57,7 @@ from autoshard.mesh import Mesh, factorizations
 from autoshard.ownership import R, Replicate, data_axes
 from autoshard.passes.dims import infer_dims, module_of
 from autoshard.passes.program import build_program, choose_storage
+from autoshard.passes.soft import SOFT_MARK, is_soft, soft_layout_value
 from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_placements, requires_grad_nodes,
                                   resolve_layout, rewrite)
 
@@ -283,7 +284,8 @@ class Candidate:
         out = {}
         for n in names:
             axes = tuple(a for a, s in self.axes if n in s)
-            out[n] = axes or None
+            soft = tuple(a for a, s in self.axes if n + SOFT_MARK in s)  # "seq?": a soft entry
+            out[n] = axes or (soft_layout_value(soft) if soft else None)
         out.update(extra)
         return out
 
@@ -360,11 +362,15 @@ class SearchSpace:
     def __init__(self, graph, inputs, info, mesh, cm: CostModel, *, train: bool = False, constraints=None,
                  memory_limit=None, zero_stage=None, reshard_after_forward=None, kept_blocks: int = 3,
                  reduce: bool = True, display=None, bucket_mb: float = 25.0, shared: Optional[dict] = None,
-                 units="block", checkpoint: Optional[bool] = None):
+                 units="block", checkpoint: Optional[bool] = None, soft: Optional[bool] = None):
 
         self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
         self.train = train
         self.memory_limit = memory_limit
+        # Soft entries (sequence parallelism, token rows where an axis is free) are explored on
+        # request (soft=True) or when a constraint is soft; not by default yet: they change plans
+        # users rely on (docs/architecture.md, "Soft layout entries").
+        self.soft_search = bool(soft)
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
         self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)
         # activation checkpointing of the repeated blocks: True / False forced, None: on only
@@ -375,7 +381,11 @@ class SearchSpace:
         constraints = dict(constraints or {})
         self.fixed: dict = {}
         self.extra: dict = {}
+        self.fixed_soft: dict = {}  # name -> axes of a soft constraint ("seq": "tp?")
         for key, axes in constraints.items():
+            if is_soft(axes) and key in self.names:
+                self.fixed_soft[key] = tuple(a[:-1] for a in ((axes,) if isinstance(axes, str) else axes))
+                continue
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             if key in self.names:
                 self.fixed[key] = axes
@@ -383,7 +393,7 @@ class SearchSpace:
                 self.extra[key] = axes or None
         # validate the user's constraints as given (unknown names, axes, divisibility)
         resolve_layout(info, {k: (v or None) for k, v in constraints.items()}, mesh)
-        self.open = [n for n in self.names if n not in self.fixed]
+        self.open = [n for n in self.names if n not in self.fixed and n not in self.fixed_soft]
         self.vals = {n.name: n.meta.get("val") for n in graph.nodes if n.op == "placeholder"}
         self.grad_inputs = {i.name for i in self.inputs if i.kind == "parameter" and i.trainable}
         self._LayoutError = LayoutError
@@ -492,14 +502,43 @@ class SearchSpace:
         pairs, selfc = self._conflicts(axis)
         units = self._name_units(axis)
         ok = [n for n in self.open if units.get(n) and n not in selfc]
+        soft_fixed = frozenset(n + SOFT_MARK for n, axes in self.fixed_soft.items() if axis in axes)
+        soft_ok = [n for n in self._soft_names() if units.get(n)]
         opts = []
         for k in range(len(ok) + 1):
             for combo in itertools.combinations(ok, k):
                 s = frozenset(combo) | fixed_here
                 if any(frozenset(p) in pairs for p in itertools.combinations(sorted(s), 2)):
                     continue
+                if soft_fixed:
+                    opts.append(s | soft_fixed)
+                    continue
                 opts.append(s)
+                if s and self.soft_search:
+                    # a soft entry where the axis is free (sequence parallelism between the
+                    # regions the hard names claim): one residual-stream name at a time
+                    opts += [s | {n + SOFT_MARK} for n in soft_ok if n not in s]
         return opts
+
+    def _soft_names(self) -> list:
+        """Open names a soft entry may shard: dims of the residual stream, carried by
+        activations and by no trainable parameter (batch, seq)."""
+        if not hasattr(self, "_soft_cache"):
+            info = self.reduced.info if self.reduced is not None else self.info
+            graph = self.reduced.graph if self.reduced is not None else self.graph
+            grads = {i.name for i in (self.reduced.inputs if self.reduced is not None else self.inputs)
+                     if i.kind == "parameter" and i.trainable}
+            param_leaves = set()
+            for n in graph.nodes:
+                if n.op == "placeholder" and n.name in grads and n in info.dims:
+                    param_leaves |= {info.leaves(a)[:1] for a in info.of(n) if a}
+            out = []
+            for n in self.open:
+                firsts = {lv[:1] for lvs in info.lookup(n).values() for lv in lvs if lv}
+                if firsts and not firsts & param_leaves:
+                    out.append(n)
+            self._soft_cache = out
+        return self._soft_cache
 
     def candidates(self) -> list:
         """Every candidate layout (zero stage 0), invalid ones (the rewrite would refuse them)
@@ -512,6 +551,9 @@ class SearchSpace:
         overlapping = self._overlapping_names()
         for combo in itertools.product(*per_axis):
             cand = Candidate(tuple(combo))
+            softs = [n[:-1] for _, s in combo for n in s if n.endswith(SOFT_MARK)]
+            if softs and (len(set(softs)) < len(softs) or set(softs) & {n for _, s in combo for n in s}):
+                continue  # a name soft on two axes, or soft on one and hard on another
             if overlapping:
                 where = {}
                 for a, s in combo:
@@ -534,10 +576,14 @@ class SearchSpace:
                 if not self._units_ok(units):
                     self.invalid += 1
                     continue
-                key = tuple((a, tuple(sorted(units[a]))) for a in self.mesh.names)
+                resolved = self._units(cand.layout(self.names, self.extra))
+                key = tuple((a, tuple(sorted(units[a])), tuple(sorted(resolved.soft.get(a, ()))))
+                            for a in self.mesh.names)
             else:
                 # one axis per name: the units are the names' own, checked per axis already
-                key = tuple((a, tuple(sorted({u for n in s for u in self._name_units(a).get(n) or ()})))
+                nu = self._name_units
+                key = tuple((a, tuple(sorted({u for n in s if not n.endswith(SOFT_MARK) for u in nu(a).get(n) or ()})),
+                             tuple(sorted({u for n in s if n.endswith(SOFT_MARK) for u in nu(a).get(n[:-1]) or ()})))
                             if self.mesh.axes[a] > 1 else (a, ()) for a, s in combo)
             prev = seen.get(key)
             # Same units, same program: keep the one naming the most dims (it says what is split).
@@ -750,7 +796,8 @@ class SearchSpace:
     def _bounds(self, cand: Candidate):
         key = cand.axes
         if key not in self._lb_cache:
-            sets = {a: set(names) | {k for k, v in self.extra.items() if v and a in v} for a, names in cand.axes}
+            sets = {a: {n.rstrip(SOFT_MARK) for n in names} | {k for k, v in self.extra.items() if v and a in v}
+                    for a, names in cand.axes}
             total = saved = biggest = 0.0
             for touch, table in self._groups.items():
                 s = frozenset(a for a, names in sets.items() if names & touch and self.mesh.axes[a] > 1)
@@ -789,7 +836,7 @@ class SearchSpace:
         r = self.reduced
         graph, info, inputs = (r.graph, r.info, r.inputs) if r is not None else (self.graph, self.info, self.inputs)
         mesh1 = Mesh({"axis": size})
-        layout1 = {n: "axis" for n in names}
+        layout1 = {n.rstrip(SOFT_MARK): "axis" + (SOFT_MARK if n.endswith(SOFT_MARK) else "") for n in names}
         for k in extra1:
             layout1[k] = "axis"
         try:
@@ -831,7 +878,7 @@ class SearchSpace:
             if r is not None and steady and blk == (r.family, r.kept - 1):
                 mult = r.n_blocks - r.kept + 1
             agg[rec] = agg.get(rec, 0) + mult
-        out = (tuple(sorted(resolved.units["axis"])), agg)
+        out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg)
         cache[key] = out
         return out
 
@@ -840,10 +887,12 @@ class SearchSpace:
         if cand.axes in self._cb_cache and cand.zero_stage < 2:
             return self._cb_cache[cand.axes]
         try:
-            units2 = self._units(cand.layout(self.names, self.extra)).units
+            resolved2 = self._units(cand.layout(self.names, self.extra))
         except self._LayoutError:
             return 0.0
-        sets = {a: set(names) | {k for k, v in self.extra.items() if v and a in v} for a, names in cand.axes}
+        units2 = resolved2.units
+        sets = {a: {n.rstrip(SOFT_MARK) for n in names} | {k for k, v in self.extra.items() if v and a in v}
+                for a, names in cand.axes}
         data_axis = None
         if cand.zero_stage >= 2:
             _, _, _, axes = self._full_state(cand)
@@ -853,7 +902,7 @@ class SearchSpace:
             if self.mesh.axes[a] == 1:
                 continue
             got = self._axis_records(a, names)
-            if got is None or got[0] != tuple(sorted(units2[a])):
+            if got is None or got[0] != (tuple(sorted(units2[a])), tuple(sorted(resolved2.soft.get(a, ())))):
                 continue
             for (kind, nbytes, touch, is_param), mult in got[1].items():
                 if is_param and data_axis is not None and a == data_axis:

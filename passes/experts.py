@@ -280,14 +280,17 @@ def _looped(graph, info, parent, members) -> ExpertRegion:
         ext = [a for n in nodes for a in n.all_input_nodes if a not in own]
         ps = list(dict.fromkeys(a for a in ext if a.op == "placeholder"))
         xs.update(a for a in ext if a.op != "placeholder")
-        outs = _outputs(own)
-        if len(outs) != 1:
-            raise NotRecognised(f"expert {e} has {len(outs)} outputs")
         experts.append(nodes)
-        ys.append(outs[0])
+        ys.append(_outputs(own))
         params.append(ps)
+    # first whether it is a candidate at all: a stack of blocks (each reading the one before)
+    # is an ordinary ModuleList, not a set of experts, and is passed over without a warning
     if len(xs) != 1:
         raise NotCandidate("its members do not all read the same one input")
+    for e, outs in enumerate(ys):
+        if len(outs) != 1:
+            raise NotRecognised(f"expert {e} has {len(outs)} outputs")
+    ys = [outs[0] for outs in ys]
     x = xs.pop()
     xv = _tensor(x)
     if xv is None or xv.dim() != 2:

@@ -385,6 +385,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "out_spec": out_spec,
         "loss_output": plan.loss_index(),
         "aliases": dict(plan.captured.aliases),
+        "state_dict_keys": list(plan.model.state_dict().keys()),  # checkpoints: consolidate's keys
         "reshard_tags": sorted(plan.program.reshard_tags),
         "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if getattr(plan, "reduce_dtype", None) else None,
         "grad_buckets": _grad_buckets(plan),
@@ -601,5 +602,38 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     def rank_fn(rank):
         rp = R.RankProgram(doc, mesh, rank, program, weights, torch.device("cpu"), train=steps > 0)
         return R.rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref)
+
+    return run_simulated(mesh, rank_fn)
+
+
+def simulate_run(path, *argv: str) -> list:
+    """Run an export's training loop (``run.py --steps N --data ... --ckpt ...``, the same
+    options) on a simulated mesh: ranks as threads of this process, loading program, weights,
+    data and checkpoints as run.py does. Returns one dict per rank (``losses``, ``grad_norms``,
+    ``lrs``); rank 0's progress lines are in ``lines``.
+
+    Example::
+
+        simulate_run("out", "--steps", "4", "--data", "tokens.bin", "--ckpt", "ck", "--save-every", "2")
+    """
+    R = export_runner
+    path = Path(path)
+    args = R._parser().parse_args(list(argv))
+    doc = R.read_plan(path)
+    program = R.load_program(path)
+    mesh = Mesh(doc["mesh"])
+    loop = R.prepare_training(path, doc, args)
+    if not loop:
+        raise ExportError("simulate_run runs the training loop: give --steps N and a loop option (--data, --ckpt, ...)")
+    user = None if loop.get("data") else R.load_inputs(path, doc, synthetic=args.synthetic, path=args.inputs,
+                                                        seed=args.seed)
+    weights = R.open_weights(path, doc, args.weights)
+    lines: list = []
+
+    def rank_fn(rank):
+        rp = R.RankProgram(doc, mesh, rank, program, weights, torch.device("cpu"), train=True)
+        res = R.train_loop(rp, user, loop, args, say=lines.append if rank == 0 else (lambda msg: None))
+        res["lines"] = lines if rank == 0 else []
+        return res
 
     return run_simulated(mesh, rank_fn)

@@ -92,6 +92,14 @@ def describe_failure(model, e: BaseException) -> str:
         path, line, fn, code = m.group(1), int(m.group(2)), m.group(3), m.group(4).strip()
         module = _module_at(model, path, line)
         where = f" at {path}:{line} in {fn}" + (f" (module {module})" if module else "") + f": `{code}`"
+    config = getattr(model, "config", None)
+    # transformers keeps the experts kernel on config._experts_implementation ("eager" loops over
+    # the experts that received tokens, a data-dependent loop export cannot capture)
+    experts = getattr(config, "_experts_implementation", None)
+    if experts not in (None, "grouped_mm", "batched_mm") and any(s in text for s in _DATA_DEPENDENT):
+        return (f"torch.export could not capture {type(model).__name__}: data-dependent loop over the experts "
+                f"that received tokens{where} (hint: build the Mixture-of-Experts model with "
+                f"experts_implementation=\"grouped_mm\" or \"batched_mm\" in its config, which export captures)")
     if any(s in text or s in type(e).__name__ for s in _DATA_DEPENDENT):
         return (f"torch.export could not capture {type(model).__name__}: data-dependent control flow (Python "
                 f"branches on a tensor's value){where} (hint: compute both branches with torch.where, "

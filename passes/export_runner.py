@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -38,6 +39,8 @@ from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.clip import clip_grad_norm_
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 
 FORMAT, VERSION = "autoshard-export", 1
@@ -487,6 +490,7 @@ def _parser():
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (nccl) when available, else cpu (gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    add_training_args(p)
     return p
 
 
@@ -521,7 +525,9 @@ def prepare(root: Path, args) -> dict:
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
     weights = open_weights(root, doc, args.weights, args.allow_partial)
-    user = load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs, seed=args.seed)
+    loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
+    user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
+                                                      seed=args.seed)
     ref = None
     if args.check:
         if args.synthetic or args.inputs:
@@ -538,7 +544,7 @@ def prepare(root: Path, args) -> dict:
         ref = _load(root / r["file"], "reference file")
         if not isinstance(ref, dict) or "outputs" not in ref:
             raise RunError(f"reference file {root / r['file']} is corrupted (hint: export the plan again)")
-    return dict(doc=doc, mesh=mesh, program=program, weights=weights, user=user, ref=ref)
+    return dict(doc=doc, mesh=mesh, program=program, weights=weights, user=user, ref=ref, loop=loop)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -682,8 +688,11 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
            if train else "forward only"))
     with rank_context(mesh, rank, backend):
         rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
-        res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
+        if ctx["loop"]:
+            res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
+        else:
+            res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
@@ -719,6 +728,242 @@ def summarize_check(doc, ref, args, ok: bool, worst, losses, n_ranks):
     if ok:
         return True, f"check passed: {what} equal the unsharded model's on all {n_ranks} ranks ({diff}){loss_msg}"
     return False, f"CHECK FAILED: {what} differ from the unsharded model's ({diff}){loss_msg}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the training loop: --data, --lr-schedule, --clip-grad-norm, --save-every/--ckpt, --resume
+# ------------------------------------------------------------------------------------------------
+
+def add_training_args(p) -> None:
+    g = p.add_argument_group("training loop (with --steps N)")
+    g.add_argument("--data", help="token file: a 1-D integer tensor saved with torch.save, or a .npy / .bin of "
+                                  "uint16/uint32 token ids; each step reads the next global batch, each rank its block")
+    g.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16",
+                   help="element type of a raw .bin token file")
+    g.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="cosine: linear warmup over --warmup steps, then cosine decay to --min-lr at --total-steps")
+    g.add_argument("--warmup", type=int, default=0, help="warmup steps of the schedule")
+    g.add_argument("--total-steps", type=int, default=None,
+                   help="the schedule's length (default: --steps, counted from the resumed step)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the cosine schedule's final learning rate")
+    g.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip gradients to this global 2-norm (over every shard and mesh axis)")
+    g.add_argument("--ckpt", help="directory for checkpoints: step-NNNNNN/ written at --save-every and at the end")
+    g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (needs --ckpt)")
+    g.add_argument("--resume", help="a checkpoint, or a --ckpt directory (its newest complete step-*): restores "
+                                    "weights, optimizer, schedule and data position")
+    g.add_argument("--metrics", help="rank 0 writes one JSON line per step here (step, loss, lr, grad_norm, "
+                                     "tokens_per_s, seconds)")
+
+
+def uses_training_loop(args) -> bool:
+    return bool(args.data or args.ckpt or args.resume or args.save_every or args.metrics
+                or args.clip_grad_norm is not None or args.lr_schedule != "constant" or args.total_steps)
+
+
+def prepare_training(root: Path, doc: dict, args) -> dict:
+    """The training loop's inputs, checked before any process group exists: {} when no loop
+    option is given; else the token source, the checkpoint to resume and the schedule."""
+    if not uses_training_loop(args):
+        return {}
+    if args.steps <= 0:
+        raise RunError("the training loop options (--data, --ckpt, --resume, --lr-schedule, ...) need --steps N > 0")
+    if args.check:
+        raise RunError("--check compares with references of the saved batch; it excludes the training loop options")
+    if args.save_every < 0 or args.warmup < 0 or (args.total_steps is not None and args.total_steps <= 0):
+        raise RunError("--save-every and --warmup must be >= 0 and --total-steps > 0")
+    if args.save_every and not args.ckpt:
+        raise RunError("--save-every needs --ckpt DIR")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        raise RunError("--clip-grad-norm must be > 0")
+    loop = {"schedule": {"kind": args.lr_schedule, "warmup": args.warmup, "total": args.total_steps,
+                         "min_lr": args.min_lr, "lr": args.lr}}
+    if args.data:
+        if args.synthetic or args.inputs:
+            raise RunError("--data excludes --synthetic and --inputs")
+        loop["data"] = TokenData(Path(args.data), args.data_dtype, doc)
+    if args.resume:
+        try:
+            loop["resume"] = ckpt.resolve(args.resume)
+            ckpt.read_manifest(loop["resume"])
+        except ckpt.CheckpointError as e:
+            raise RunError(f"--resume: {e}") from None
+    return loop
+
+
+class TokenData:
+    """A token file read as consecutive global batches: batch k is tokens ``[pos, pos + B*S)``
+    viewed as the planned ``[B, S]`` (wrapping to the start when the file is used up). Every
+    integer input of that shape gets it (``input_ids``, and ``labels``: the models shift labels
+    themselves), except masks (``*mask*``: ones); a rank reads only its own block of it.
+
+    Example::
+
+        data = TokenData(Path("tokens.bin"), "uint16", doc)
+        user, pos = data.batch(0, mesh, rank)       # the flat user inputs, the next position
+    """
+
+    def __init__(self, path: Path, dtype: str, doc: dict):
+        self.path = path
+        users = [m for m in doc["inputs"] if m["kind"] == "user"]
+        ints = [m for m in users if m.get("shape") is not None and not m["_dtype"].is_floating_point]
+        tokens = [m for m in ints if "mask" not in m["target"]]
+        if not tokens:
+            raise RunError("--data fills integer token inputs, but this program has none")
+        self.shape = tokens[0]["shape"]
+        self.users = users
+        for m in users:
+            if m.get("shape") is not None and (m not in ints or m["shape"] != self.shape):
+                raise RunError(f"--data cannot fill input {m['target']} ({m['dtype']} {m['shape']}): it fills token "
+                               f"inputs of shape {self.shape} (and masks of that shape with ones)")
+        self.per_batch = math.prod(self.shape)
+        if not path.is_file():
+            raise RunError(f"--data {path} does not exist")
+        suffix = path.suffix.lower()
+        try:
+            if suffix in (".pt", ".pth"):
+                t = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
+                    raise RunError(f"--data {path} must hold a 1-D integer tensor (torch.save), not "
+                                   f"{type(t).__name__} {list(getattr(t, 'shape', []))}")
+                self.tokens = t
+            else:
+                import numpy as np
+
+                arr = (np.load(path, mmap_mode="r") if suffix == ".npy"
+                       else np.memmap(path, dtype=getattr(np, dtype), mode="r"))
+                if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                    raise RunError(f"--data {path} must be a 1-D array of integer token ids, not {arr.dtype} "
+                                   f"{list(arr.shape)}")
+                self.tokens = arr
+        except RunError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unreadable file is a usage error
+            raise RunError(f"--data {path} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        self.n = int(self.tokens.shape[0])
+        if self.n < self.per_batch:
+            raise RunError(f"--data {path} has {self.n} tokens, fewer than one global batch "
+                           f"({'x'.join(map(str, self.shape))} = {self.per_batch})")
+
+    def batch(self, pos: int, mesh, rank: int):
+        """(flat user inputs, next position): each token input is a global-shaped tensor in which
+        only this rank's block was read from the file (the rest is never looked at)."""
+        if pos + self.per_batch > self.n:
+            pos = 0  # next epoch
+        chunk = self.tokens[pos:pos + self.per_batch].reshape(self.shape)  # a view: nothing read yet
+        out, cache = [], {}
+        for m in self.users:
+            if m.get("shape") is None:
+                out.append(m.get("value"))
+                continue
+            if "mask" in m["target"]:
+                out.append(torch.ones(self.shape, dtype=m["_dtype"]))
+                continue
+            key = tuple(m["_place"])
+            if key not in cache:
+                g = torch.zeros(self.shape, dtype=m["_dtype"])
+                region = ckpt.block_region(self.shape, m["_place"], mesh, rank)
+                if region is not None:
+                    index = tuple(slice(o, o + n) for o, n in zip(*region))
+                    block = chunk[index]
+                    g[index] = block.to(torch.int64) if isinstance(block, torch.Tensor) else \
+                        torch.from_numpy(block.astype("int64"))
+                cache[key] = g
+            out.append(cache[key])
+        return out, pos + self.per_batch
+
+
+def lr_factor(schedule: dict, total: int):
+    """The multiplier of the base lr at step index s (0-based): linear warmup to 1 over
+    ``warmup`` steps, then constant, or cosine down to ``min_lr / lr`` at ``total``."""
+    warmup, kind = schedule["warmup"], schedule["kind"]
+    floor = schedule["min_lr"] / schedule["lr"] if schedule["lr"] else 0.0
+
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = min((s - warmup) / max(1, total - warmup), 1.0)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
+    """``args.steps`` training steps of one rank inside its rank context, with the loop's data,
+    schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``)."""
+    doc, mesh = rp.doc, rp.mesh
+    rp.make_optimizer(args.optimizer, args.lr)
+    opt, start, pos, schedule, manifest = rp.opt, 0, 0, dict(loop["schedule"]), None
+    if loop.get("resume"):
+        manifest = ckpt.read_manifest(loop["resume"])
+        start = int(manifest.get("step") or 0)
+        schedule = (manifest.get("extra") or {}).get("schedule") or schedule  # the run's own schedule continues
+    if schedule.get("total") is None:
+        schedule["total"] = start + args.steps
+    # the scheduler first: creating it sets the lr to the schedule's start, which the checkpoint's
+    # param groups (its current lr) and the scheduler's saved state then overwrite
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt.inner, lr_factor(schedule, schedule["total"]))
+    if manifest is not None:
+        ckpt.load(rp.local, opt, loop["resume"])
+        extra = manifest.get("extra") or {}
+        pos = int(extra.get("data_position", 0))
+        if extra.get("scheduler"):
+            scheduler.load_state_dict(extra["scheduler"])
+        say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
+    data, end = loop.get("data"), start + args.steps
+    k_loss = doc["loss_output"]
+    loss_place = doc["outputs"][k_loss]["_place"]
+    tokens = data.per_batch if data else None
+    info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
+            "state_dict_keys": doc.get("state_dict_keys")}
+    metrics = open(args.metrics, "a") if args.metrics and rp.rank == 0 else None
+    res = dict(ok=True, losses=[], grad_norms=[], lrs=[], worst_out=0.0, worst_grad=0.0, problems=[])
+    sync = torch.cuda.synchronize if rp.device.type == "cuda" else (lambda: None)
+    t_start = time.perf_counter()
+    try:
+        for step in range(start + 1, end + 1):
+            t0 = time.perf_counter()
+            if data:
+                user, pos = data.batch(pos, mesh, rp.rank)
+            outs = rp.forward(user)
+            loss = outs[k_loss]
+            loss.backward(torch.ones_like(loss))
+            norm = clip_grad_norm_(rp.local, args.clip_grad_norm) if args.clip_grad_norm is not None else None
+            lr = opt.inner.param_groups[0]["lr"]
+            rp.step()
+            scheduler.step()
+            sync()
+            dt = time.perf_counter() - t0
+            value = global_sum(loss, loss_place, mesh)
+            res["losses"].append(value)
+            res["grad_norms"].append(norm)
+            res["lrs"].append(lr)
+            line = f"step {step}/{end}  loss {value:.6f}  time {dt * 1e3:.1f} ms  lr {lr:.3e}"
+            if norm is not None:
+                line += f"  grad-norm {norm:.4f}"
+            if tokens:
+                line += f"  tokens/s {tokens / dt:,.0f}"
+            say(line)
+            if metrics:
+                metrics.write(json.dumps({"step": step, "loss": value, "lr": lr, "grad_norm": norm,
+                                          "tokens_per_s": tokens / dt if tokens else None, "seconds": dt}) + "\n")
+                metrics.flush()
+            if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end):
+                path = Path(args.ckpt) / f"step-{step:06d}"
+                ckpt.save(rp.local, opt, path, step=step, info=info,
+                          extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict()})
+                say(f"saved checkpoint {path}")
+    finally:
+        if metrics:
+            metrics.close()
+    took = time.perf_counter() - t_start
+    if res["losses"]:
+        say(f"done: {args.steps} step{'s' if args.steps != 1 else ''} in {took:.1f} s"
+            + (f", {tokens * args.steps / took:,.0f} tokens/s" if tokens else "")
+            + f", final loss {res['losses'][-1]:.6f}")
+    return res
 
 
 def main(argv=None, root=None) -> int:

@@ -17,6 +17,7 @@ import torch
 from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, slice_dim_for
 from autoshard.runtime.buckets import assign_buckets
 
+from . import context as cp
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, rewrite
 from .units import group_units
@@ -46,15 +47,23 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
 
 
 def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
-                  bucket_mb: float, display: dict, units="block"):
+                  bucket_mb: float, display: dict, units="block", context=None):
     """The per-rank program of a resolved layout with a state-sharding level: the data axes
     (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
     sharding and gradient buckets that the forward program does not show; ZeRO-3 gathers are
-    grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`). Returns
+    grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`); attention over a split
+    sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
+    ``context``). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
+    # Context-parallel attention when the caller asks for it (autoshard() always does; the layout
+    # search does not yet: its candidates cost attention over a split sequence gathered).
+    ctx = cp.plan_context(graph, info, resolved, mesh, context) if context is not None else cp.ContextPlan()
     owned = owned_placements(regions, input_placements(graph, info, resolved, mesh), resolved, mesh)
+    if ctx:
+        owned = {**owned, **cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh, owned), info,
+                                            resolved, mesh)}
     places = input_placements(graph, info, resolved, mesh, owned)
     axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
     if zero_stage and not axes:
@@ -66,8 +75,9 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     moe: list = []  # one RegionPlan per MoE layer, filled by the rewrite
     program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
                       bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
-                      regions=lowerings(regions, moe), fixed=owned)
+                      regions={**lowerings(regions, moe), **cp.lowerings(ctx)}, fixed=owned)
     program.experts = moe
+    program.context = ctx
     if zero_stage == 3:
         program.units = group_units(program, units, mesh, display)
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)

@@ -36,6 +36,7 @@ from torch import fx
 
 from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
 from autoshard.runtime import collectives as C
+from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
@@ -80,6 +81,11 @@ class Layout:
     sizes: dict  # name -> size
     soft: dict = field(default_factory=dict)  # axis -> units of soft entries (passes/soft.py)
     soft_assignment: dict = field(default_factory=dict)  # name -> axes, soft entries
+    # Context parallelism (passes/context.py): axis -> (unit, "zigzag" | "contiguous") for a
+    # sequence split on that axis. A tensor with that dim twice (a mask [s_q, s_k]) is split
+    # on the first (its query rows); under zigzag, a block of that dim holds chunks i and 2R-1-i,
+    # so gathers and slices of it reorder (runtime.ring_attention.zigzag_permute).
+    orders: dict = field(default_factory=dict)
 
 
 def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
@@ -209,6 +215,9 @@ class _Rewriter:
         place = []
         for a in self.axes:
             hits = [d for d, atoms in enumerate(dims) if atoms and self.unit_of(atoms, a)]
+            if len(hits) > 1 and a in self.layout.orders and all(
+                    self.unit_of(dims[d], a) == self.layout.orders[a][0] for d in hits):
+                hits = hits[:1]  # the sequence twice (query rows x key columns): rows follow queries
             if len(hits) > 1:
                 names = [self.info.dim_name(dims[d]) for d in hits]
                 raise LayoutError(
@@ -261,11 +270,14 @@ class _Rewriter:
                     self.summed.add((src, a))
                 elif isinstance(s, Partial) and isinstance(t, Shard):
                     self.check_nesting(state, a, t.dim, src, consumer)
+                    node = self.reorder(node, src, out, a, t.dim, False)
                     node = self.emit(C.reduce_scatter, node, a, (t.dim,), src, consumer, reason, s, t)
                 elif isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim:
                     self.check_nesting(state, a, s.dim, src, consumer)
                     self.check_nesting(state, a, t.dim, src, consumer)
+                    node = self.reorder(node, src, out, a, t.dim, False)
                     node = self.emit(C.all_to_all, node, a, (t.dim, s.dim), src, consumer, reason, s, t)
+                    node = self.reorder(node, src, out, a, s.dim, True)
                 elif isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate):
                     # ZeRO-2: read the full copy gathered after the last optimizer step.
                     node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
@@ -286,6 +298,7 @@ class _Rewriter:
                     self.check_nesting(state, a, s.dim, src, consumer)
                     fn = C.all_gather_varying if a in varying and isinstance(t, Replicate) else C.all_gather
                     node = self.emit(fn, node, a, (s.dim,), src, consumer, reason, s, t)
+                    node = self.reorder(node, src, out, a, s.dim, True)
                     st = self.storage.get(src.name)
                     if st is not None and st.reshard and a == st.axis:
                         self.reshard_tags.add(node.meta["autoshard"]["tag"])
@@ -297,6 +310,7 @@ class _Rewriter:
             else:
                 if isinstance(s, Replicate) and isinstance(t, Shard):
                     self.check_nesting(state, a, t.dim, src, consumer)
+                    node = self.reorder(node, src, out, a, t.dim, False)
                     node = self.emit(C.shard_slice, node, a, (t.dim,), src, consumer, reason, s, t)
                 elif isinstance(s, Replicate) and isinstance(t, Partial):
                     node = self.emit(C.to_partial, node, a, (), src, consumer, reason, s, t)
@@ -310,6 +324,25 @@ class _Rewriter:
         self.cache[key] = node
         return node
 
+    def reorder(self, node, src, out, axis, dim, inverse):
+        """Under zigzag context parallelism, a whole sequence dim is reordered before it is
+        split on ``axis`` and after it is gathered (blocks are chunks i and 2R-1-i)."""
+        order = self.layout.orders.get(axis)
+        if order is None or order[1] != "zigzag" or self.unit_of(self.info.of(src, out or 0)[dim], axis) != order[0]:
+            return node
+        new = self.g.call_function(zigzag_permute, (node, dim, self.mesh.axes[axis], inverse))
+        val = self.local_val(node)
+        if val is not None:
+            new.meta["val"] = val
+        return new
+
+    def zigzag_dim(self, node, place, axis_ix) -> bool:
+        """A value split along a zigzag-ordered sequence on that axis (gathered before it leaves)."""
+        a = self.axes[axis_ix]
+        order = self.layout.orders.get(a)
+        o = place[axis_ix]
+        return (order is not None and order[1] == "zigzag" and isinstance(o, Shard)
+                and self.unit_of(self.info.of(node)[o.dim], a) == order[0])
     def soft_split(self, src, out, dim, axis) -> bool:
         """Whether ``src``'s ``dim`` is split on ``axis`` by a soft entry."""
         if not self.layout.soft.get(axis):
@@ -430,7 +463,9 @@ class _Rewriter:
                     if isinstance(o, fx.Node):
                         # A pending sum is finished before it leaves: every rank returns the
                         # value (sharded outputs stay sharded; the caller assembles them).
-                        place = tuple(R if isinstance(p_, Partial) else p_ for p_ in self.place[o][0])
+                        # A zigzag-ordered sequence is gathered in natural order.
+                        place = tuple(R if isinstance(p_, Partial) or self.zigzag_dim(o, self.place[o][0], i) else p_
+                                      for i, p_ in enumerate(self.place[o][0]))
                         outs.append(self.convert(o, 0, place, set(), node, "the program returns it"))
                         out_places.append(place)
                     else:

@@ -178,3 +178,130 @@ def test_zigzag_permute_chunks():
     blocks = zigzag_permute(x, 0, 4).view(4, -1)
     for i in range(4):
         assert blocks[i].tolist() == list(range(2 * i, 2 * i + 2)) + list(range(2 * (7 - i), 2 * (7 - i) + 2))
+
+
+# --- plans: layout={"seq": "cp"} on the Llama-style example ------------------------------------
+
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+
+import autoshard  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from exactness import assert_exact, reference_train  # noqa: E402
+from examples.models import llama_tiny  # noqa: E402
+
+LLAMA_TP = {"heads": "tp", "kv_heads": "tp", "ffn": "tp"}
+
+
+def _plan(model, args, dims, mesh, layout, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autoshard.UnsupportedOpWarning)
+        return autoshard.autoshard(model, args, mesh=autoshard.Mesh(mesh), dims=dims, layout=layout, train=True, **kw)
+
+
+@pytest.mark.parametrize("mesh,layout,mask,order", [
+    ({"cp": 2}, {}, False, "zigzag"),
+    ({"cp": 2}, {}, True, "contiguous"),
+    ({"cp": 4}, {}, True, "zigzag"),
+    ({"cp": 4}, {}, False, "contiguous"),
+    ({"cp": 2, "tp": 2}, LLAMA_TP, True, "zigzag"),
+    ({"cp": 2, "tp": 2}, LLAMA_TP, False, "contiguous"),
+    ({"dp": 2, "cp": 2}, {"batch": "dp"}, False, "zigzag"),
+    ({"dp": 2, "cp": 2}, {"batch": "dp"}, True, "contiguous"),
+])
+def test_llama_context_parallel_exact(mesh, layout, mask, order):
+    model, args, dims = llama_tiny(with_mask=mask, with_labels=True, seq=16)
+    plan = _plan(model, args, dims, mesh, {"seq": "cp", **layout}, context={"order": order, "variant": "ring"})
+    atts = plan.program.context.attention
+    assert len(atts) == 2 and all(a.axis == "cp" and a.order == order and a.variant == "ring" for a in atts)
+    targets = [n.target for n in plan.graph_module.graph.nodes if n.op == "call_function"]
+    assert ring_attention in targets and torch.ops.aten.scaled_dot_product_attention.default not in targets
+    # GQA: the 2 kv heads travel (1 per tp rank), never the 8 repeated heads
+    for n in plan.graph_module.graph.nodes:
+        if n.target is ring_attention:
+            q_heads, kv_heads = n.args[0].meta["val"].shape[1], n.args[1].meta["val"].shape[1]
+            assert kv_heads * 4 == q_heads, (q_heads, kv_heads)
+    assert_exact(plan, model, args)
+    # ring hops are on the trace: R-1 per attention in forward
+    R = mesh["cp"]
+    fwd = [r for r in plan.last_trace[0] if r.op == "ring_attention" and r.phase == "forward"]
+    bwd = [r for r in plan.last_trace[0] if r.op == "ring_attention" and r.phase == "backward"]
+    assert len(fwd) == 2 * (R - 1) and len(bwd) == 2 * ((R - 1) + R)
+
+
+def test_allgather_variant_exact_and_zero_training():
+    model, args, dims = llama_tiny(with_mask=True, with_labels=True, seq=16)
+    plan = _plan(model, args, dims, {"dp": 2, "cp": 2}, {"seq": "cp", "batch": "dp"}, zero_stage=3,
+                 context={"variant": "allgather"})
+    assert {a.variant for a in plan.program.context.attention} == {"allgather"}
+    # SGD with momentum: sharded optimizer state, and updates linear in the gradients (Adam divides
+    # by sqrt(v) and would magnify float noise of near-zero gradient elements)
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, [args] * 2, make_opt)
+    losses, params = plan.simulate_train([args] * 2, optimizer=make_opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_ring_zero1_training_matches():
+    model, args, dims = llama_tiny(with_labels=True, seq=16)
+    plan = _plan(model, args, dims, {"dp": 2, "cp": 2}, {"seq": "cp", "batch": "dp"}, zero_stage=1,
+                 context={"variant": "ring"})
+    # SGD with momentum: sharded optimizer state, and updates linear in the gradients (Adam divides
+    # by sqrt(v) and would magnify float noise of near-zero gradient elements)
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, [args] * 2, make_opt)
+    losses, params = plan.simulate_train([args] * 2, optimizer=make_opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class PaddedAttention(nn.Module):
+    """One attention layer with an HF-style padding mask that is *not* unmasked for padded
+    queries: a left-padded row sees no valid key (PyTorch's SDPA returns zeros there)."""
+
+    def __init__(self, hidden=16, heads=2, raw=False):
+        super().__init__()
+        self.heads, self.raw = heads, raw
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x, attention_mask):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        idx = torch.arange(s, device=x.device)
+        causal = idx[None, :] <= idx[:, None]
+        mask = causal[None, None] & attention_mask.to(torch.bool)[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.raw:
+            return y
+        return self.out(y.transpose(1, 2).reshape(b, s, h)).pow(2).sum()
+
+
+@pytest.mark.parametrize("R,order", [(2, "zigzag"), (4, "contiguous")])
+def test_fully_masked_block_and_row_without_keys(R, order):
+    torch.manual_seed(0)
+    model = PaddedAttention()
+    x = torch.randn(2, 16, 16)
+    am = torch.ones(2, 16, dtype=torch.long)
+    am[0, :4] = 0   # 4 padded positions: a whole KV chunk (zigzag chunk 0 of 4; contiguous block 0 of 4)
+    args = (x, am)
+    dims = {"x": "batch seq hidden", "attention_mask": "batch seq"}
+    plan = _plan(model, args, dims, {"cp": R}, {"seq": "cp"}, context={"order": order, "variant": "ring"})
+    assert_exact(plan, model, args)   # loss and every gradient
+    # the attention output itself: padded rows (no valid key) are zeros, as documented
+    model.raw = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autoshard.UnsupportedOpWarning)
+        fwd = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"cp": R}), dims=dims, layout={"seq": "cp"},
+                                  context={"order": order, "variant": "ring"})
+    y, ref = fwd.simulate(*args), model(*args)
+    assert not torch.isnan(y).any()
+    assert torch.equal(y[0, :, :4], torch.zeros_like(y[0, :, :4]))
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)

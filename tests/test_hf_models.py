@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 import autoshard  # noqa: E402
 from autoshard import LayoutError, Mesh  # noqa: E402
 from autoshard.ownership import Shard  # noqa: E402
+from autoshard.passes.experts import MoEWarning  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from hf_zoo import ARCHS, TOKENS as TOKEN_DIMS  # noqa: E402
@@ -53,8 +54,10 @@ def built():
 def plan_for(name, model, kwargs, layout, mesh, **options):
     with warnings.catch_warnings():
         warnings.simplefilter("error", autoshard.UnsupportedOpWarning)  # every op has a rule
+        warnings.simplefilter("error", MoEWarning)  # a dense model's block list is not taken for experts
+        # strict: a value the layout shards may not be gathered whole in forward anywhere
         return autoshard.autoshard(model, (), kwargs, mesh=Mesh(mesh), dims=ARCHS[name].all_dims, layout=layout,
-                                   **options)
+                                   strict=True, **options)
 
 
 def assert_exact(plan, kwargs, loss, logits, grads):
@@ -105,6 +108,8 @@ def test_dp_and_megatron_plans_are_exact_with_textbook_collectives(name, built):
         assert set(blocks.values()) == {k}, (prefix, blocks, [(c.where, c.why) for c in reduces])
         counted += sum(blocks.values())
     assert counted == len(reduces), [(c.where, c.why) for c in reduces]
+    # eval mode: dropout is the identity and never the reason for a collective
+    assert not [c.why for c in dp.collectives + tp.collectives if "dropout needs" in c.why]
 
 
 def test_one_name_on_two_dims_of_different_sizes_is_an_error(built):
@@ -127,3 +132,72 @@ def test_a_tied_parameter_answers_to_both_names(built):
     assert plan.placement_of("model.embed_tokens.weight")[0] == Shard(0)
     _, got = plan.simulate_grads(**kwargs)
     torch.testing.assert_close(got["lm_head.weight"], grads["model.embed_tokens.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_capture_failure_is_one_line_with_a_way_forward(capfd):
+    """Mixtral with experts_implementation="eager" loops over the experts that got tokens, which
+    torch.export cannot capture: the error names the source line and the configs that work, and
+    torch's partial-graph dump (hundreds of lines on stderr) is held back."""
+    import dataclasses
+    arch = dataclasses.replace(ARCHS["mixtral"], config=dict(ARCHS["mixtral"].config, experts_implementation="eager"))
+    model, kwargs = arch.build()
+    with pytest.raises(autoshard.CaptureError) as e:
+        autoshard.autoshard(model, (), kwargs, mesh=Mesh({"dp": 2}), dims=arch.all_dims, layout={"batch": "dp"})
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert "MixtralForCausalLM" in msg and "modeling_mixtral.py:" in msg and "expert_hit" in msg, msg
+    assert 'experts_implementation="grouped_mm" or "batched_mm"' in msg, msg
+    assert e.value.__suppress_context__
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err and len((out + err).splitlines()) < 5, (out + err)[:500]
+
+
+class _FlipThenLinear(torch.nn.Module):
+    """x -> flip (an op without a sharding rule) -> linear: the batch path runs through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.proj(torch.flip(x, dims=[-1])).square().sum()
+
+
+def test_a_rule_less_op_on_the_batch_path_is_reported_and_strict_refuses_it():
+    """Item 1: what the layout asks (batch on dp) but the plan does not do (flip has no rule, so x
+    is gathered whole and every rank computes the whole batch) is shown in print(plan) and
+    plan.explain() with the op, module, line and bytes, and strict=True makes it an error."""
+    torch.manual_seed(0)
+    model, x = _FlipThenLinear(), torch.randn(4, 6)
+    kw = dict(mesh=Mesh({"dp": 2}), dims={"x": "batch hidden"}, layout={"batch": "dp"})
+    with pytest.warns(autoshard.UnsupportedOpWarning):
+        plan = autoshard.autoshard(model, (x,), **kw)
+    [lapse] = plan.unsharded
+    assert (lapse.dim, lapse.axis, lapse.value, lapse.bytes) == ("batch", "dp", "x", 2 * 6 * 4)
+    assert "test_hf_models.py" in lapse.line and "aten.flip" in lapse.why
+    text = str(plan)
+    assert "Not sharded as the layout asks (1 forward gathers" in text and "test_hf_models.py" in text
+    assert "Not sharded as the layout asks: 1 forward gather(s), 48 bytes/rank" in plan.explain()
+    out, _ = plan.simulate_grads(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
+    with pytest.warns(autoshard.UnsupportedOpWarning), pytest.raises(LayoutError, match=r"strict: .*'batch'.*flip"):
+        autoshard.autoshard(model, (x,), strict=True, captured=plan.captured, **kw)
+
+
+def test_forward_only_plans_do_not_list_backward_collectives_and_errors_name_inferred_dims(built):
+    """Item 7: print(plan) of a train=False plan lists what its forward runs; a train=True plan
+    lists backward too. An unknown layout dim is answered with a real inferred name as example."""
+    model, kwargs, *_ = built("llama")
+    layout = {"batch": "dp", **ARCHS["llama"].tp_layout}
+    fwd = plan_for("llama", model, kwargs, layout, {"dp": 2, "tp": 2})
+    table = str(fwd).split("\nCollectives (")[1].split("\n\n")[0]
+    n_bwd = sum(c.phase == "backward" for c in fwd.collectives)
+    row = re.compile(r"^\s*\d+\s+backward\s", re.M)  # a table row whose phase is backward
+    assert n_bwd and re.search(r"^\s*\d+\s+forward\s", table, re.M) and not row.search(table)
+    assert f"the {n_bwd} backward collectives" in table
+    trained = plan_for("llama", model, kwargs, layout, {"dp": 2, "tp": 2}, captured=fwd.captured, train=True)
+    assert row.search(str(trained).split("\nCollectives (")[1])
+    with pytest.raises(LayoutError) as e:
+        plan_for("llama", model, kwargs, {"bogus": "tp"}, {"tp": 2}, captured=fwd.captured)
+    example = re.search(r"inferred names such as '([^']+)'", str(e.value)).group(1)
+    assert ":" in example and example not in {"batch", "seq", "hidden", "heads", "kv_heads", "ffn", "vocab"}

@@ -64,10 +64,12 @@ def _timeout_override(mesh, timeout):
         return None
     override = {}
     for axis in mesh.names:
+        if mesh.axes[axis] == mesh.size:
+            continue  # init_device_mesh reuses the default group (its timeout) for a whole-world axis
         opts = make()
         opts._timeout = timeout
         override[axis] = (name, opts)
-    return override
+    return override or None
 
 
 class DistributedBackend(Backend):

@@ -1,0 +1,126 @@
+"""Ring attention step time on gloo processes vs the all-gather-KV variant, unsharded attention,
+and PyTorch's own ``torch.distributed.tensor.experimental.context_parallel``.
+
+Run (take the benchmark lock; note the load)::
+
+    flock /work/bench.lock .venv/bin/python benchmarks/context_parallel.py [--seq 4096] [--ranks 2 4]
+
+One step = forward + backward of causal GQA attention (batch 1, 8 query heads, 2 kv heads, head
+width 64, fp32) over a sequence of ``--seq`` positions, zigzag order. Each of the ``R`` gloo
+processes holds ``seq / R`` positions and one intra-op thread; the step time is the slowest
+rank's median over ``--steps`` steps after a warm-up. The unsharded baseline is one process (one
+thread) running ``F.scaled_dot_product_attention`` on the whole sequence. Every sharded output is
+checked against the unsharded one before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from autoshard import Mesh  # noqa: E402
+from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
+from autoshard.runtime.launch import spawn  # noqa: E402
+from autoshard.runtime.ring_attention import allgather_attention, order_index, ring_attention  # noqa: E402
+
+H, G, D = 8, 2, 64
+
+
+def _inputs(seq):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, h, seq, D, generator=g) for h in (H, G, G)]
+
+
+def _time(fn, steps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def _worker(rank, world, seq, steps):
+    import torch.distributed as dist
+    mesh = Mesh({"cp": world})
+    q, k, v = _inputs(seq)
+    idx = order_index(seq, world, "zigzag").view(world, -1)[rank]
+    mine = [x[:, :, idx].clone().requires_grad_() for x in (q, k, v)]
+    res = {}
+    with rank_context(mesh, rank, DistributedBackend(mesh)):
+        for name, fn in (("ring", ring_attention), ("allgather", allgather_attention)):
+            def step(fn=fn):
+                out = fn(*mine, None, "cp", True, "zigzag")
+                out.backward(torch.ones_like(out))
+                dist.barrier()
+                return out
+            res[name + "_out"] = step().detach()
+            res[name] = _time(step, steps)
+    res["torch_cp"] = _torch_context_parallel(world, q, k, v, steps)
+    return res
+
+
+def _torch_context_parallel(world, q, k, v, steps):
+    """PyTorch's context_parallel (ring SDPA over a DeviceMesh), if it runs on CPU / gloo."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        qq, kk, vv = (x.repeat_interleave(H // x.shape[1], 1).clone().requires_grad_() for x in (q, k, v))
+
+        def step():
+            with context_parallel(mesh, buffers=[qq, kk, vv], buffer_seq_dims=[2, 2, 2]):
+                out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                out.backward(torch.ones_like(out))
+            return out
+        return _time(step, steps)
+    except Exception as e:  # report why, do not fail the benchmark
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=5)
+    a = ap.parse_args(argv)
+    print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1/5/15 min), "
+          f"{os.cpu_count()} cores; seq {a.seq}, heads {H}/{G} kv, head dim {D}, fp32, causal, zigzag")
+    torch.set_num_threads(1)
+    q, k, v = (x.requires_grad_() for x in _inputs(a.seq))
+
+    def whole():
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1),
+                                             is_causal=True)
+        out.backward(torch.ones_like(out))
+        return out
+    ref = whole().detach()
+    t_whole = _time(whole, a.steps)
+    print(f"{'ranks':>5}  {'ring ms':>9}  {'all-gather ms':>13}  {'unsharded ms':>12}  torch context_parallel")
+    for n in a.ranks:
+        res = spawn(_worker, n, a.seq, a.steps, timeout=900)
+        idx = order_index(a.seq, n, "zigzag").view(n, -1)
+        for name in ("ring", "allgather"):
+            out = torch.zeros_like(ref)
+            for r in range(n):
+                out[:, :, idx[r]] = res[r][name + "_out"]
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        ring = max(r["ring"] for r in res) * 1e3
+        ag = max(r["allgather"] for r in res) * 1e3
+        tcp = res[0]["torch_cp"]
+        tcp = f"{max(r['torch_cp'] for r in res) * 1e3:.1f} ms" if not isinstance(tcp, str) else f"does not run: {tcp}"
+        print(f"{n:>5}  {ring:>9.1f}  {ag:>13.1f}  {t_whole * 1e3:>12.1f}  {tcp}")
+
+
+if __name__ == "__main__":
+    main()

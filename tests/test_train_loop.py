@@ -1,0 +1,140 @@
+"""The exported run.py's training loop on the simulated mesh (``simulate_run`` loads everything
+as run.py does): token data, the cosine schedule with warmup, clipping by the global norm,
+checkpoints every N steps and bit-exact resume. The torchrun version: test_gloo_train_loop.py."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autoshard  # noqa: E402
+from autoshard.mesh import Mesh  # noqa: E402
+from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.passes.export import simulate_run  # noqa: E402
+from examples.models import llama_tiny  # noqa: E402
+
+B, S, VOCAB = 4, 8, 64
+LOOP = ["--lr-schedule", "cosine", "--warmup", "2", "--clip-grad-norm", "1.0", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    base = tmp_path_factory.mktemp("loop")
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "tp": 2}), dims=dims,
+                               layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, train=True, zero_stage=3)
+    path = plan.export(base / "out")
+    tokens = torch.randint(0, VOCAB, (B * S * 5 + 3,), generator=torch.Generator().manual_seed(7))
+    tokens.numpy().astype(np.uint16).tofile(base / "tokens.bin")
+    return path, tokens, base
+
+
+def expected_lr(s, lr=1e-2, warmup=2, total=6):
+    """The schedule, written out: linear warmup, then cosine to 0 (s: 0-based step)."""
+    if s < warmup:
+        return lr * (s + 1) / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
+
+
+def eager(tokens, steps, total):
+    """Single-device training on the same batches with torch's own clipping: the reference."""
+    model, _, _ = llama_tiny(with_labels=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = expected_lr(s, total=total)
+        start = s * B * S
+        if start + B * S > len(tokens):
+            start = 0
+        ids = tokens[start:start + B * S].view(B, S)
+        loss = model(ids, None, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_schedule_clipping_and_data_follow_single_device(export):
+    path, tokens, base = export
+    res = simulate_run(path, "--steps", "6", "--data", str(base / "tokens.bin"), *LOOP)
+    assert [r["losses"] == res[0]["losses"] for r in res] == [True] * 4
+    assert res[0]["lrs"] == pytest.approx([expected_lr(s) for s in range(6)], rel=1e-12)
+    assert all(n is not None and n > 0 for n in res[0]["grad_norms"])
+    # 6 steps read 6 consecutive batches: the 6th wraps to the start (the file holds 5 and a bit)
+    assert res[0]["losses"] == pytest.approx(eager(tokens, 6, 6), rel=1e-4)
+    lines = res[0]["lines"]
+    assert any(l.startswith("step 1/6  loss ") and "tokens/s" in l and "grad-norm" in l for l in lines), lines
+    assert lines[-1].startswith("done: 6 steps in")
+
+
+def test_resume_continues_bit_exactly(export, tmp_path):
+    path, _, base = export
+    data = ["--data", str(base / "tokens.bin")]
+    straight = simulate_run(path, "--steps", "6", *data, *LOOP)[0]["losses"]
+    first = simulate_run(path, "--steps", "4", "--total-steps", "6", "--save-every", "2", "--ckpt",
+                         str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl"), *data, *LOOP)[0]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000002", "step-000004"]
+    second = simulate_run(path, "--steps", "2", "--resume", str(tmp_path / "ck"), *data, *LOOP)[0]
+    assert first["losses"] + second["losses"] == straight  # bit for bit
+    assert second["lines"][0].startswith(f"resumed from {tmp_path / 'ck' / 'step-000004'} at step 4, token 128")
+    assert [json.loads(l)["loss"] for l in (tmp_path / "m.jsonl").read_text().splitlines()] == first["losses"]
+    # an earlier checkpoint resumes too: 4 steps from step 2
+    again = simulate_run(path, "--steps", "4", "--resume", str(tmp_path / "ck" / "step-000002"), *data, *LOOP)
+    assert first["losses"][:2] + again[0]["losses"] == straight
+    # the checkpoint is a plain state dict for the model class
+    model, _, _ = llama_tiny(with_labels=True)
+    model.load_state_dict(autoshard.consolidate(tmp_path / "ck" / "step-000004"), strict=True)
+
+
+def test_token_file_formats_agree(export, tmp_path):
+    path, tokens, base = export
+    np.save(tmp_path / "t.npy", tokens.numpy().astype(np.uint32))
+    tokens.numpy().astype(np.uint32).tofile(tmp_path / "t32.bin")
+    torch.save(tokens.to(torch.int32), tmp_path / "t.pt")
+    want = simulate_run(path, "--steps", "2", "--data", str(base / "tokens.bin"), *LOOP)[0]["losses"]
+    for f, extra in [("t.npy", []), ("t32.bin", ["--data-dtype", "uint32"]), ("t.pt", [])]:
+        got = simulate_run(path, "--steps", "2", "--data", str(tmp_path / f), *extra, *LOOP)[0]["losses"]
+        assert got == want, f
+
+
+def test_each_rank_reads_only_its_block(export):
+    path, tokens, base = export
+    doc = R.read_plan(path)
+    data = R.TokenData(base / "tokens.bin", "uint16", doc)
+    mesh = Mesh(doc["mesh"])
+    want = tokens[B * S:2 * B * S].view(B, S)
+    for rank in range(4):
+        (ids, mask, labels), nxt = data.batch(B * S, mesh, rank)
+        dp = mesh.coords(rank)["dp"]
+        rows = slice(dp * B // 2, (dp + 1) * B // 2)
+        assert nxt == 2 * B * S and mask is None and labels is ids
+        assert torch.equal(ids[rows], want[rows]) and ids.dtype == torch.int64
+        others = torch.ones(B, dtype=torch.bool)
+        others[rows] = False
+        assert not ids[others].any()  # the other dp block was never read
+
+
+def test_loop_options_are_checked_before_running(export, tmp_path, monkeypatch):
+    path, _, base = export
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    (tmp_path / "short.bin").write_bytes(np.arange(10, dtype=np.uint16).tobytes())
+    (tmp_path / "ck" / ".step-000002.partial").mkdir(parents=True)
+    cases = [(["--steps", "2", "--save-every", "1"], "--save-every needs --ckpt"),
+             (["--data", str(base / "tokens.bin")], r"need --steps N > 0"),
+             (["--steps", "2", "--data", str(tmp_path / "short.bin")], "has 10 tokens, fewer than one global batch"),
+             (["--steps", "2", "--data", str(tmp_path / "none.bin")], "does not exist"),
+             (["--steps", "2", "--resume", str(tmp_path / "ck")], "only incomplete checkpoints"),
+             (["--steps", "2", "--data", str(base / "tokens.bin"), "--check"], "--check compares")]
+    for argv, message in cases:
+        with pytest.raises(R.RunError, match=message):
+            R.prepare(path, R._parser().parse_args(argv))
