@@ -143,6 +143,18 @@ def test_forward_only_check(zb):
     assert all(r["ok"] and r["losses"] == [] for r in per_rank)
 
 
+def test_synthetic_inputs_have_the_step_shapes(zb, monkeypatch):
+    """run.py --synthetic draws one step's whole batch (the planned global shapes), which the
+    schedule splits into microbatches."""
+    plan, args, _, path = zb
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ctx = R.prepare(path, _args("--synthetic"))
+    assert [None if x is None else tuple(x.shape) for x in ctx["user"]] == [
+        None if a is None else tuple(a.shape) for a in args]
+    per_rank = simulate_export(path, steps=1, inputs=ctx["user"])
+    assert len({r["losses"][0] for r in per_rank}) == 1  # every rank reports the same step loss
+
+
 def test_check_fails_on_wrong_results(zb, tmp_path):
     """--check is not vacuous: a reference that differs in the loss and one parameter fails,
     naming the microbatch-combined output and the parameter."""
