@@ -57,19 +57,22 @@ def validate(doc: dict, mesh, bad) -> None:
     p["_schedule"] = sched
     names = {x.get("name") for x in doc["inputs"]}
     nb = len(p["boundaries"])
-    for b in p["boundaries"]:
-        if not (isinstance(b, dict) and isinstance(b.get("shape"), list)
+    for k, b in enumerate(p["boundaries"]):
+        if not (isinstance(b, dict) and b.get("index") == k and isinstance(b.get("shape"), list)
                 and isinstance(getattr(torch, str(b.get("dtype")), None), torch.dtype)):
-            raise bad(f"pipeline boundary {b!r} lacks a shape or dtype")
+            raise bad(f"pipeline boundary {k} ({b!r}) lacks its index, shape or dtype")
     for k, st in enumerate(p["stages"]):
-        if not isinstance(st, dict) or st.get("index") != k or not isinstance(st.get("file"), str):
-            raise bad(f"pipeline stage {k} is not described (index, file)")
-        for kind, ref in st.get("inputs", []):
-            if (kind == "slot" and ref not in names) or (kind == "recv" and not 0 <= ref < len(st["recv"])) \
-                    or kind not in ("slot", "recv", "normalizer"):
-                raise bad(f"pipeline stage {k} has an argument {[kind, ref]!r} that is no input, received value "
+        if not (isinstance(st, dict) and st.get("index") == k and isinstance(st.get("file"), str)
+                and isinstance(st.get("n_outputs"), int) and isinstance(st.get("inputs"), list)
+                and isinstance(st.get("recv"), list) and isinstance(st.get("send"), list)):
+            raise bad(f"pipeline stage {k} is not described (index, file, inputs, recv, send, n_outputs)")
+        for arg in st["inputs"]:
+            kind, ref = arg if isinstance(arg, list) and len(arg) == 2 else (None, None)
+            if not ((kind == "slot" and ref in names) or kind == "normalizer"
+                    or (kind == "recv" and isinstance(ref, int) and 0 <= ref < len(st["recv"]))):
+                raise bad(f"pipeline stage {k} has an argument {arg!r} that is no input, received value "
                           f"or normalizer")
-        if not all(isinstance(i, int) and 0 <= i < nb for i in st.get("recv", []) + st.get("send", [])):
+        if not all(isinstance(i, int) and 0 <= i < nb for i in st["recv"] + st["send"]):
             raise bad(f"pipeline stage {k} sends or receives a boundary that is not listed")
     norm = p.get("normalizer")
     if norm is not None and not (isinstance(norm, dict) and set(norm.get("inputs", [None])) <= names):
@@ -105,7 +108,7 @@ def pipeline_spec(doc: dict, rank_spec, programs: StagePrograms) -> PipelineSpec
     """The :class:`PipelineSpec` that ``plan.pipeline_spec()`` gave before export, from plan.json."""
     p = doc["pipeline"]
     bs = [BoundarySpec(b["index"], b["src_stage"], b["name"], tuple(b["shape"]), getattr(torch, b["dtype"]),
-                       bool(b["requires_grad"])) for b in sorted(p["boundaries"], key=lambda b: b["index"])]
+                       bool(b["requires_grad"])) for b in p["boundaries"]]  # listed by index (validate)
     stages = [StageSpec(st["index"], programs.stages[st["index"]].forward, [tuple(x) for x in st["inputs"]],
                         [bs[i] for i in st["recv"]], [bs[i] for i in st["send"]], st["n_outputs"],
                         [(lo, hi, list(names)) for lo, hi, names in st.get("weight_groups", [])],
