@@ -20,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,7 +31,7 @@ from .compute import attention_flops, roofline_time
 from .hardware import DeviceSpec, LinkSpec, load_hardware
 
 __all__ = ["causal_pairs_per_rank", "online_softmax_merge", "ContextEstimate", "context_parallel_estimate",
-           "choose_variant", "attention_seconds"]
+           "choose_variant", "attention_seconds", "ContextSearch", "context_explanation"]
 
 
 def causal_pairs_per_rank(seq_len: int, ranks: int, order: str = "zigzag") -> list:
@@ -163,3 +164,146 @@ def choose_variant(cm, mesh):
              for v in ("ring", "allgather")}
         return min(t, key=lambda v: (t[v], v != "ring"))
     return choose
+
+
+class ContextSearch:
+    """Context parallelism as an option of the layout search (``cost.search``), as data.
+
+    ``names``: the dim names that are the query sequence of some
+    ``scaled_dot_product_attention`` of the program that ring attention can run split (no
+    attention dropout: the condition ``layout={"seq": "cp"}`` checks). The search may put such
+    a name on an axis even where it meets itself in one tensor (a ``[b, 1, s, s]`` mask): under
+    context parallelism rows follow the queries. ``options(mesh)`` is the ``context=`` the
+    search builds its candidates with, the variant (ring or all-gather) chosen per node by
+    :func:`choose_variant`, so a candidate is costed as the plan ``autoshard()`` would build.
+
+    Example::
+
+        >>> cs = ContextSearch(cap.graph, info, cost_model)                      # doctest: +SKIP
+        >>> cs.names                                                            # doctest: +SKIP
+        frozenset({'seq'})
+        >>> build_program(..., context=cs.options(mesh))                        # doctest: +SKIP
+    """
+
+    def __init__(self, graph, info, cm):
+        from autoshard.passes.context import SDPA
+        from autoshard.passes.rules import arg
+
+        self.cm = cm
+        names, refused = set(), set()
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target is not SDPA or node.args[0] not in info.dims:
+                continue
+            name = info.names.get(info.leaves(info.of(node.args[0])[-2]))
+            if name is None:
+                continue
+            (refused if arg(node, 4, "dropout_p", 0.0) else names).add(name)
+        self.names = frozenset(names - refused)
+
+    def __bool__(self):
+        return bool(self.names)
+
+    def options(self, mesh) -> dict:
+        """``context=`` for ``build_program`` on ``mesh``: the variant by cost."""
+        return {"variant": choose_variant(self.cm, mesh)}
+
+    def rewrite_kwargs(self, graph, info, resolved, mesh) -> dict:
+        """``regions=`` / ``fixed=`` for ``spmd.rewrite`` of a program whose layout may split
+        attention's queries (the search's one-axis programs): the SDPA nodes become ring or
+        all-gather attention as in ``build_program``. Empty when nothing is split."""
+        from autoshard.passes import context as cp
+        from autoshard.passes.spmd import input_placements
+
+        if not self.names:
+            return {}
+        ctx = cp.plan_context(graph, info, resolved, mesh, self.options(mesh))
+        if not ctx:
+            return {}
+        fixed = cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh), info, resolved, mesh)
+        return {"regions": cp.lowerings(ctx), "fixed": fixed}
+
+    @staticmethod
+    def overlapped(collective) -> bool:
+        """Whether a program collective is a context-parallel attention's own traffic (ring
+        hops under block compute, or the all-gather variant's gather): the cost model costs it
+        with the node (:func:`attention_seconds`), so a lower bound on blocking
+        communication must leave it out."""
+        return collective.op in ("ring_attention", "allgather_attention")
+
+
+def context_explanation(program, mesh, cm, *, step_time: float = 0.0, memory_limit: Optional[float] = None,
+                        whole=None, seq_names: Optional[dict] = None, train: bool = True) -> list:
+    """Sentences for ``plan.explain()`` about a program's context-parallel attention (empty
+    when it has none): per axis the variant and order chosen and why (ring vs all-gather
+    seconds per attention from :func:`attention_seconds`), the bytes of one K/V block and how
+    the blocks circulate, the full sequence's K/V against the resident shard (seed 003
+    §13.5.4), and why the sequence is split at all: ``whole`` is ``(layout description, step
+    seconds, peak bytes)`` of the same plan with the sequence kept whole, compared with the
+    plan's ``step_time`` and ``memory_limit``. ``seq_names``: {axis: the split dim's name}.
+
+    >>> context_explanation(program, mesh, cm, step_time=0.18, memory_limit=80e9,
+    ...                     whole=("tp: ffn+heads", 0.25, 1.1e11))                   # doctest: +SKIP
+    ['Context parallelism: seq is split on cp (8 ranks, zigzag order) ...', ...]
+    """
+    from autoshard.runtime.ring_attention import allgather_attention, ring_attention
+
+    nodes = [n for n in program.graph_module.graph.nodes
+             if n.op == "call_function" and n.target in (ring_attention, allgather_attention)]
+    if not nodes:
+        return []
+    gb = lambda b: (f"{b / 1e9:.2f} GB" if b >= 1e9 else f"{b / 1e6:.1f} MB" if b >= 1e6  # noqa: E731
+                    else f"{b / 1e3:.1f} kB")
+    lines = []
+    by_axis: dict = {}
+    for n in nodes:
+        by_axis.setdefault(n.args[4], []).append(n)
+    for axis, ns in by_axis.items():
+        R = mesh.axes[axis]
+        n0 = ns[0]
+        at = (n0.meta.get("autoshard") or {}).get("context")
+        q, kv = n0.args[0].meta["val"], n0.args[1].meta["val"]
+        *lead, H, s, d = q.shape
+        G = kv.shape[-3]
+        B = math.prod(int(x) for x in lead)
+        esz = q.element_size()
+        causal, order = bool(n0.args[5]), n0.args[6]
+        block = 2 * B * G * s * d * esz
+        t = {v: sum(attention_seconds(cm, mesh, axis, v, tuple(q.shape), tuple(kv.shape), esz, causal,
+                                      order)[:2 if train else 1]) for v in ("ring", "allgather")}
+        variants = sorted({("ring" if m.target is ring_attention else "allgather") for m in ns})
+        name = at.node if at is not None else n0.name
+        seq_name = (seq_names or {}).get(axis) or "the sequence"
+        ms = lambda x: f"{x * 1e3:.3f} ms"  # noqa: E731
+        head = (f"Context parallelism: {seq_name} is split on {axis} ({R} ranks, {order} order, {s} query positions "
+                f"per rank of {s * R}); {len(ns)} attention(s) run as {' and '.join(variants)} attention.")
+        if variants == ["ring"]:
+            head += (f" Each rank keeps its queries; K/V blocks of {gb(block)} ({B} x {G} kv heads x {s} positions x "
+                     f"{d} x {esz} bytes x 2 for K and V) circulate rank i -> i+1, {R - 1} hops per attention in "
+                     f"forward, each hop overlapped with one block pair's compute"
+                     + (" (backward: the ring again with dK/dV)." if train else "."))
+        else:
+            head += (f" K/V of {gb(block)} per rank are all-gathered once per attention ({gb(block * R)} gathered), "
+                     f"then each rank attends its queries to every key.")
+        why = ("ring" if t["ring"] <= t["allgather"] else "all-gather")
+        head += (f" Variant by cost: ring {ms(t['ring'])} vs all-gather {ms(t['allgather'])} per attention "
+                 f"({'forward + backward' if train else 'forward'}), so {why}"
+                 + (" (the hops hide under block compute; the gather does not)." if why == "ring" else
+                    " (too little compute per block to hide the ring's hops)."))
+        head += (f" Full-sequence K/V: {gb(block * R * len(ns))} over {len(ns)} attention(s), "
+                 f"{gb(block * len(ns))} resident per rank.")
+        lines.append(head)
+        if whole is not None:
+            desc, step, peak = whole
+            over = memory_limit is not None and peak > memory_limit
+            msg = (f"Why split {seq_name}: the same plan with {seq_name} whole ({desc}) predicts {ms(step)} and "
+                   f"peaks at {gb(peak)} per rank")
+            if over:
+                msg += (f", over memory_limit {gb(memory_limit)}: its activations hold all {s * R} positions on "
+                        f"every rank; split {R} ways they fit.")
+            elif step > step_time:
+                msg += (f" (within memory_limit)" if memory_limit is not None else "")
+                msg += f": {ms(step - step_time)} slower than with context parallelism."
+            else:
+                msg += "."
+            lines.append(msg)
+    return lines

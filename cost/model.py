@@ -199,7 +199,11 @@ def op_work(target, args, kwargs, outs: list) -> tuple[float, float]:
     if target is aten.scaled_dot_product_attention.default and out0 is not None:
         q, k = args[0].meta["val"], args[1].meta["val"]
         t, d = int(k.shape[-2]), int(q.shape[-1])
-        return 2.0 * (_numel(q) * t + _numel(out0) * t) * 1.0 + 0 * d, nbytes
+        # a causal kernel computes the visible (query, key) pairs only: (t+1)/2t of them, as
+        # ring attention's cost does (cost/context.py), so the two compare on equal terms
+        causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+        frac = (t + 1) / (2 * t) if causal and int(q.shape[-2]) == t else 1.0
+        return 2.0 * (_numel(q) * t + _numel(out0) * t) * frac + 0 * d, nbytes
     if target is aten.embedding.default and out0 is not None:
         return 0.0, float(2 * _numel(out0) * out0.element_size())
     n = max([_numel(t) for t in outs] + [_numel(t) for t in ins[:1]] + [0])

@@ -13,6 +13,7 @@ import torch
 from autoshard.ownership import local_shape
 
 from .checkpoint import checkpointed_program_cost
+from .context import context_explanation
 from .model import PlanCost, formula_text, program_cost, resolve_cost_model
 
 __all__ = ["CostReport", "plan_cost", "cost_report", "explain", "alternatives", "describe_layout"]
@@ -128,6 +129,50 @@ def _mesh_of(e, res):
     return getattr(e, "mesh", None) or res.mesh
 
 
+def _context_lines(plan, res, cost) -> list:
+    """explain()'s sentences on context-parallel attention (cost/context.py), with the
+    search's fastest candidate that keeps the sequence whole when it was over memory_limit."""
+    ctx = getattr(plan.program, "context", None)
+    if not ctx:
+        return []
+    info, seq_names = plan.info, {}
+    nodes = {n.name: n for n in plan.captured.graph.nodes}
+    for at in ctx.attention:
+        q = nodes[at.node].args[0] if at.node in nodes else None
+        if q is not None and q in info.dims:
+            seq_names.setdefault(at.axis, info.names.get(info.leaves(info.of(q)[-2])))
+    limit = getattr(res, "memory_limit", None) if res is not None else None
+    return context_explanation(plan.program, plan.mesh, _cost_model(plan), step_time=cost.step_time,
+                               memory_limit=limit, whole=_sequence_whole(plan, seq_names), seq_names=seq_names,
+                               train=plan.train)
+
+
+def _sequence_whole(plan, seq_names):
+    """(layout description, step seconds, peak bytes) of ``plan`` with its context-parallel
+    sequence kept whole (the rest of the layout as it is), or None if that plan is invalid."""
+    from autoshard.passes.program import build_program
+    from autoshard.passes.spmd import LayoutError, resolve_layout
+
+    layout = {**plan.layout, **{n: None for n in seq_names.values() if n}}
+    cap, cm = plan.captured, _cost_model(plan)
+    vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+    bucket_mb = getattr(plan, "bucket_mb", 25.0)
+    for stage in dict.fromkeys((plan.zero_stage, 0)):  # ZeRO needs a data axis the split may have been
+        try:
+            program, axes = build_program(cap.graph, cap.inputs, plan.info, resolve_layout(plan.info, layout, plan.mesh),
+                                          plan.mesh, train=plan.train, zero_stage=stage, reshard=True,
+                                          bucket_mb=bucket_mb, display={i.name: i.target for i in cap.inputs},
+                                          units=getattr(plan, "units", None) or "block", context={})
+        except LayoutError:
+            continue
+        fn = checkpointed_program_cost if getattr(plan, "checkpoint", None) else program_cost
+        c = fn(program, cap.inputs, vals, plan.mesh, cm, train=plan.train, zero_stage=stage, data_axes=axes,
+               bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
+        desc = describe_layout(layout, plan.mesh) + (f"; ZeRO stage {stage}" if stage else "")
+        return desc, c.step_time, c.memory["peak"]
+    return None
+
+
 def explain(plan) -> str:
     """In words: what the plan is, what it costs, and why it beats the runner-up."""
     res = getattr(plan, "search", None)
@@ -142,9 +187,11 @@ def explain(plan) -> str:
     if lapses:
         head += (f" Not sharded as the layout asks: {len(lapses)} forward gather(s), "
                  f"{sum(u.bytes for u in lapses)} bytes/rank, e.g. {lapses[0]} (strict=True refuses this plan).")
+    ctx = _context_lines(plan, res, cost)
     if res is None:
-        return head + " The layout was given, not searched: there is no runner-up to compare with."
-    lines = [head]
+        return "\n".join([head + " The layout was given, not searched: there is no runner-up to compare with."]
+                         + ctx)
+    lines = [head] + ctx
     lines.append(f"The search looked at {res.space_size} candidates on {len(getattr(res, 'meshes', [res.mesh]))} "
                  f"mesh shape(s), evaluated {res.evaluated} exactly ({res.rewrites} rewrites"
                  + (", repeated blocks solved once" if res.reduced else "")

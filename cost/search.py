@@ -63,6 +63,7 @@ from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_plac
 
 from .checkpoint import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
+from .context import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
                     resolve_cost_model, simulate, state_memory)
@@ -397,6 +398,8 @@ class SearchSpace:
         self.vals = {n.name: n.meta.get("val") for n in graph.nodes if n.op == "placeholder"}
         self.grad_inputs = {i.name for i in self.inputs if i.kind == "parameter" and i.trainable}
         self._LayoutError = LayoutError
+        # context parallelism: which names may split attention's queries (cost/context.py)
+        self.context = ContextSearch(graph, info, cm)
         # Constraints on inferred names or globs may name dims of the blocks cut away: whole graph.
         # ``shared``: state reusable across meshes of one search (the cut graph, one-axis records)
         self._shared = shared if shared is not None else {}
@@ -501,7 +504,8 @@ class SearchSpace:
             return [fixed_here]
         pairs, selfc = self._conflicts(axis)
         units = self._name_units(axis)
-        ok = [n for n in self.open if units.get(n) and n not in selfc]
+        # a name meeting itself in one tensor ([b, 1, s, s] masks) only as context parallelism
+        ok = [n for n in self.open if units.get(n) and (n not in selfc or n in self.context.names)]
         soft_fixed = frozenset(n + SOFT_MARK for n, axes in self.fixed_soft.items() if axis in axes)
         soft_ok = [n for n in self._soft_names() if units.get(n)]
         opts = []
@@ -622,7 +626,8 @@ class SearchSpace:
         self.rewrites += 1
         return build_program(graph, inputs, info, resolve_layout(info, layout, self.mesh), self.mesh,
                              train=self.train, zero_stage=stage, reshard=bool(reshard),
-                             bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display, units=self.units)
+                             bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display, units=self.units,
+                             context=self.context.options(self.mesh))
 
     def _bucketing(self, stage, axes) -> bool:
         return bool(self.train and stage < 2 and axes and self.bucket_bytes)
@@ -843,7 +848,8 @@ class SearchSpace:
             resolved = resolve_layout(self._named_red, layout1, mesh1)
             grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
             self.rewrites += 1
-            program = rewrite(graph, info, resolved, mesh1, grad, self.display)
+            program = rewrite(graph, info, resolved, mesh1, grad, self.display,
+                              **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
         except self._LayoutError:
             cache[key] = None
             return None
@@ -852,7 +858,7 @@ class SearchSpace:
         per_block: dict = {}
         recs = []
         for c in program.collectives:
-            if c.phase != "forward" and not self.train or c.op == "grad_bucket":
+            if c.phase != "forward" and not self.train or c.op == "grad_bucket" or self.context.overlapped(c):
                 continue  # gradient buckets are costed from the program's ready points
             is_param = c.node in grad
             if c.phase != "forward" and is_param:

@@ -57,8 +57,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
-    # Context-parallel attention when the caller asks for it (autoshard() always does; the layout
-    # search does not yet: its candidates cost attention over a split sequence gathered).
+    # Context-parallel attention when the caller asks for it (autoshard() and the layout search
+    # always do, cost.context.ContextSearch; context=None keeps SDPA over a split sequence gathered).
     ctx = cp.plan_context(graph, info, resolved, mesh, context) if context is not None else cp.ContextPlan()
     owned = owned_placements(regions, input_placements(graph, info, resolved, mesh), resolved, mesh)
     if ctx:

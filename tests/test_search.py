@@ -45,11 +45,13 @@ def sharded(layout):
 
 
 def test_megatron_pairing_found_with_batch_replicated_and_exact():
-    """tp=4, batch forced whole: the search finds Megatron (heads and ffn on tp, 2 forward
-    all-reduces per block) by itself, and the plan is exact."""
+    """tp=4, batch and sequence forced whole: the search finds Megatron (heads and ffn on tp, 2
+    forward all-reduces per block) by itself, and the plan is exact. (With the sequence open,
+    context parallelism wins here: every op split 4 ways, no forward all-reduce; see
+    test_search_context.py.)"""
     model, args, dims = llama_tiny(with_labels=True, num_kv_heads=4, hidden_size=64, intermediate_size=256,
                                    seq=16, batch=2)
-    plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None},
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None, "seq": None},
                                hardware=SLOW)
     assert plan.layout["batch"] == ()
     assert plan.layout["heads"] == ("tp",) and plan.layout["ffn"] == ("tp",)
