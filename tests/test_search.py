@@ -45,11 +45,12 @@ def sharded(layout):
 
 
 def test_megatron_pairing_found_with_batch_replicated_and_exact():
-    """tp=4, batch forced whole: the search finds Megatron (heads and ffn on tp, 2 forward
-    all-reduces per block) by itself, and the plan is exact."""
+    """tp=4, batch and seq forced whole: the search finds Megatron (heads and ffn on tp, 2 forward
+    all-reduces per block) by itself, and the plan is exact. (With seq open, this forward-only
+    search splits the MLP's token rows instead: test_search_soft.py.)"""
     model, args, dims = llama_tiny(with_labels=True, num_kv_heads=4, hidden_size=64, intermediate_size=256,
                                    seq=16, batch=2)
-    plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None},
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None, "seq": None},
                                hardware=SLOW)
     assert plan.layout["batch"] == ()
     assert plan.layout["heads"] == ("tp",) and plan.layout["ffn"] == ("tp",)
@@ -252,7 +253,10 @@ def test_explain_names_the_deciding_collectives():
                                    seq=16, batch=2)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None}, hardware=SLOW)
     text = plan.explain()
-    assert "tp: ffn+heads" in text and "Runner-up" in text and "slower" in text
+    # attention on tp, seq soft (token rows in the MLP and norms; test_search_soft.py says why)
+    assert "tp: heads+kv_heads+seq?" in text and "Runner-up" in text and "slower" in text
+    assert "seq? is soft: seq is split on tp only in the activations no hard entry" in text
+    assert re.search(r"seq +16 +tp\? \(soft: where tp is free\)", str(plan))
     assert re.search(r"(computes|waits) [0-9.]+ ms (more|less)", text)
 
 
