@@ -368,7 +368,8 @@ class Plan:
         rows = []
         for name in sorted(set(list(lay) + list(self.resolved.assignment))):
             rows.append([name, self.resolved.sizes.get(name, self._size_of_name(name)),
-                         ", ".join(lay.get(name, ())) or "-"])
+                         ", ".join(f"{a} (soft: where {a[:-1]} is free)" if a.endswith("?") else a
+                                   for a in lay.get(name, ())) or "-"])
         parts.append("Named dims\n" + tabulate(rows, headers=["dim", "size", "sharded on"]))
         rows = []
         for inp, place in zip(self.captured.inputs, self.program.input_placements):

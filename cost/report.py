@@ -183,6 +183,12 @@ def explain(plan) -> str:
             + (f"; ZeRO stage {plan.zero_stage} on {plan.data_axes[0]}" if getattr(plan, "zero_stage", 0) else "")
             + f". Predicted step {ms(cost.step_time)} (compute {ms(cost.compute)}, exposed communication "
             + f"{ms(cost.comm_exposed)}), peak memory {gb(cost.memory['peak'])} per rank.")
+    soft = sorted(n for n, axes in plan.layout.items() if any(a.endswith("?") for a in axes or ()))
+    if soft:
+        head += "".join(
+            f" {n}? is soft: {n} is split on {', '.join(a[:-1] for a in plan.layout[n])} only in the activations no "
+            f"hard entry of that axis claims (between the regions the hard names split: norms, residual adds), "
+            f"converted by reduce-scatters and all-gathers where the regions meet." for n in soft)
     lapses = list(getattr(plan, "unsharded", []))
     if lapses:
         head += (f" Not sharded as the layout asks: {len(lapses)} forward gather(s), "

@@ -368,10 +368,9 @@ class SearchSpace:
         self.graph, self.inputs, self.info, self.mesh, self.cm = graph, list(inputs), info, mesh, cm
         self.train = train
         self.memory_limit = memory_limit
-        # Soft entries (sequence parallelism, token rows where an axis is free) are explored on
-        # request (soft=True) or when a constraint is soft; not by default yet: they change plans
-        # users rely on (docs/architecture.md, "Soft layout entries").
-        self.soft_search = bool(soft)
+        # Soft entries (sequence parallelism, token rows where an axis is free) are explored by
+        # default; soft=False restricts the space to hard entries (docs/architecture.md).
+        self.soft_search = True if soft is None else bool(soft)
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
         self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)
         # activation checkpointing of the repeated blocks: True / False forced, None: on only
@@ -507,7 +506,10 @@ class SearchSpace:
         # a name meeting itself in one tensor ([b, 1, s, s] masks) only as context parallelism
         ok = [n for n in self.open if units.get(n) and (n not in selfc or n in self.context.names)]
         soft_fixed = frozenset(n + SOFT_MARK for n, axes in self.fixed_soft.items() if axis in axes)
-        soft_ok = [n for n in self._soft_names() if units.get(n)]
+        # one soft name per axis: the longest residual-stream dim it divides (seq in training
+        # shapes; token rows by batch where batch is the longer), which keeps the space small
+        soft_ok = sorted((n for n in self._soft_names() if units.get(n)), key=lambda n: -self._soft_size[n])[:1]
+        stream = set(self._soft_names(every=True))
         opts = []
         for k in range(len(ok) + 1):
             for combo in itertools.combinations(ok, k):
@@ -518,15 +520,17 @@ class SearchSpace:
                     opts.append(s | soft_fixed)
                     continue
                 opts.append(s)
-                if s and self.soft_search:
+                if s and self.soft_search and not s & stream:
                     # a soft entry where the axis is free (sequence parallelism between the
-                    # regions the hard names claim): one residual-stream name at a time
+                    # regions the hard names claim): one residual-stream name at a time. None
+                    # next to a hard residual-stream name (batch): that claims the axis in (almost)
+                    # every activation, so the soft entry would change nothing but the name.
                     opts += [s | {n + SOFT_MARK} for n in soft_ok if n not in s]
         return opts
 
-    def _soft_names(self) -> list:
+    def _soft_names(self, every: bool = False) -> list:
         """Open names a soft entry may shard: dims of the residual stream, carried by
-        activations and by no trainable parameter (batch, seq)."""
+        activations and by no trainable parameter (batch, seq); with ``every``, fixed ones too."""
         if not hasattr(self, "_soft_cache"):
             info = self.reduced.info if self.reduced is not None else self.info
             graph = self.reduced.graph if self.reduced is not None else self.graph
@@ -537,12 +541,15 @@ class SearchSpace:
                 if n.op == "placeholder" and n.name in grads and n in info.dims:
                     param_leaves |= {info.leaves(a)[:1] for a in info.of(n) if a}
             out = []
-            for n in self.open:
-                firsts = {lv[:1] for lvs in info.lookup(n).values() for lv in lvs if lv}
+            self._soft_size = {}
+            for n in self.names:
+                lvs = [lv for lvs in info.lookup(n).values() for lv in lvs if lv]
+                firsts = {lv[:1] for lv in lvs}
                 if firsts and not firsts & param_leaves:
                     out.append(n)
+                    self._soft_size[n] = max(math.prod(info.table.size[a] for a in lv) for lv in lvs)
             self._soft_cache = out
-        return self._soft_cache
+        return self._soft_cache if every else [n for n in self._soft_cache if n in self.open]
 
     def candidates(self) -> list:
         """Every candidate layout (zero stage 0), invalid ones (the rewrite would refuse them)
@@ -556,8 +563,9 @@ class SearchSpace:
         for combo in itertools.product(*per_axis):
             cand = Candidate(tuple(combo))
             softs = [n[:-1] for _, s in combo for n in s if n.endswith(SOFT_MARK)]
-            if softs and (len(set(softs)) < len(softs) or set(softs) & {n for _, s in combo for n in s}):
-                continue  # a name soft on two axes, or soft on one and hard on another
+            if softs and (len(set(softs)) < len(softs) or len(set(softs) - set(self.fixed_soft)) > 1
+                          or set(softs) & {n for _, s in combo for n in s}):
+                continue  # a name soft on two axes, or soft on one and hard on another; one searched soft name
             if overlapping:
                 where = {}
                 for a, s in combo:

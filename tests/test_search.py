@@ -45,10 +45,10 @@ def sharded(layout):
 
 
 def test_megatron_pairing_found_with_batch_replicated_and_exact():
-    """tp=4, batch and sequence forced whole: the search finds Megatron (heads and ffn on tp, 2
-    forward all-reduces per block) by itself, and the plan is exact. (With the sequence open,
-    context parallelism wins here: every op split 4 ways, no forward all-reduce; see
-    test_search_context.py.)"""
+    """tp=4, batch and seq forced whole: the search finds Megatron (heads and ffn on tp, 2 forward
+    all-reduces per block) by itself, and the plan is exact. (With seq open, other plans win this
+    forward-only search: context parallelism, test_search_context.py, or split token rows in the
+    MLP, test_search_soft.py.)"""
     model, args, dims = llama_tiny(with_labels=True, num_kv_heads=4, hidden_size=64, intermediate_size=256,
                                    seq=16, batch=2)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None, "seq": None},
@@ -254,7 +254,10 @@ def test_explain_names_the_deciding_collectives():
                                    seq=16, batch=2)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"tp": 4}), dims=dims, layout={"batch": None}, hardware=SLOW)
     text = plan.explain()
-    assert "tp: ffn+heads" in text and "Runner-up" in text and "slower" in text
+    # seq open: context parallelism (every op split 4 ways, no forward all-reduce) beats Megatron
+    # and the MLP on token rows (test_search_soft.py); explain says why and names the runner-up
+    assert "tp: seq" in text and "Runner-up" in text and "slower" in text
+    assert "Context parallelism: seq is split on tp" in text and "Why split seq" in text
     assert re.search(r"(computes|waits) [0-9.]+ ms (more|less)", text)
 
 
