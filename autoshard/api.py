@@ -188,7 +188,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                                       precision=precision if captured is None else None, context=context,
                                       strict=strict, cuts=(pipeline or {}).get("cuts"))
                 plan.timings["capture"] += timings["capture"]
-                plan.timings["search"] = time.perf_counter() - t + plan.timings.get("search", 0.0)
+                plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
+                plan.timings["dims"] += timings["dims"]
                 return plan
             search_result = decision.flat
         else:

@@ -18,6 +18,8 @@ estimated from that plan's cost (first order, documented in docs/architecture.md
 * activations in flight: one stage's saved activations per microbatch times the most
   microbatch-chunks a rank holds at once under the schedule (counted on the schedule's own
   action lists: GPipe ``M``, 1F1B ``min(M, pp)``, interleaved more; :func:`in_flight`);
+  communication buffers of one microbatch (``1 / M`` of the inner plan's), gathered ZeRO-3
+  parameters as the inner plan holds them;
 * step time: the schedule's predicted timeline (:func:`autoshard.cost.pipeline.schedule_timeline`)
   with per-microbatch stage times from the inner plan's forward / backward (compute and
   exposed communication) scaled by the stage fraction, boundary messages priced on the
@@ -242,7 +244,9 @@ def estimate_pipeline(inner, full_mesh: dict, axis: str, cm, *, pp: int, schedul
     bubble = 1.0 - busy / (len(tl) * makespan) if makespan else 0.0
     state = mem["persistent"] * fraction
     act = mem["activations"] * fraction / M * in_flight(schedule, pp, M, virtual)
-    peak = state + act + mem.get("gathered_params", 0.0) + mem.get("comm_buffers", 0.0)
+    # a collective's buffer holds one microbatch's values (gradient buckets are small); gathered
+    # ZeRO-3 parameters are kept as the inner plan holds them (one block at a time, or all)
+    peak = state + act + mem.get("gathered_params", 0.0) + mem.get("comm_buffers", 0.0) / M
     return PipelineEstimate(pp, schedule, M, virtual, fraction, state, act, peak, makespan + opt, bubble, hop, inner)
 
 
@@ -310,7 +314,7 @@ def choose_pipeline(graph, inputs, info, automesh, axis: str, *, batch: int, con
                 break
             except ValueError:
                 continue
-        best = None
+        best, leanest = None, None
         for inner in inners:
             split = math.prod(inner.mesh.axes[a] for a in (inner.layout.get("batch") or ()))
             ms = [microbatches] if microbatches else _microbatch_options(batch, split, pp)
@@ -326,10 +330,15 @@ def choose_pipeline(graph, inputs, info, automesh, axis: str, *, batch: int, con
                         except ValueError:
                             continue
                         if memory_limit is not None and est.peak > memory_limit:
+                            if leanest is None or est.peak < leanest.peak:
+                                leanest = est
                             continue
                         if best is None or est.step_time < best.step_time * (1 - 1e-9):
                             best = est
-        decision.tried.append((pp, best if best is not None else "no schedule and microbatch count fits"))
+        decision.tried.append((pp, best if best is not None else
+                               "no schedule and microbatch count fits" +
+                               (f"; the leanest: {leanest.describe()}" if leanest is not None else
+                                "" if inners else " (no plan on the other axes)")))
         if best is not None:
             decision.chosen = best
             break  # the first degree that fits: deeper pipelines only add bubble and transfers
