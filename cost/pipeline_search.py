@@ -255,8 +255,8 @@ def _microbatch_options(batch: int, batch_split: int, pp: int) -> list:
     still splits evenly over the data-parallel ranks, at most 8 per stage. A microbatch keeps
     at least 2 rows (a dim of size 1 loses its name in the captured program).
 
-    >>> _microbatch_options(32, 4, 2)
-    [2, 4]
+    >>> _microbatch_options(32, 4, 2)      # rows 16, 8, 4 split over 4 data ranks
+    [2, 4, 8]
     """
     out = []
     for m in range(pp, 8 * pp + 1, pp):
