@@ -185,7 +185,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                 # program captured again for one microbatch
                 plan = _plan_pipeline(decision, model, args, kwargs, dims=dims, train=train, units=units,
                                       bucket_mb=bucket_mb, hardware=cost_model, moe=moe, verbose=verbose,
-                                      precision=precision if captured is None else None, context=context,
+                                      precision=precision, context=context,
                                       strict=strict, cuts=(pipeline or {}).get("cuts"))
                 plan.timings["capture"] += timings["capture"]
                 plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
