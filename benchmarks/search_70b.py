@@ -39,14 +39,18 @@ def run(case: str, a) -> None:
     model, args, dims = llama_70b_meta(a.layers, a.batch, a.seq)
     n = sum(p.numel() for p in model.parameters())
     extra = dict(layout=MEGATRON, zero_stage=0) if case == "megatron" else {}
+    print(f"\n== {case}: {n / 1e9:.1f}B parameters, {a.layers} layers, batch {a.batch} x seq {a.seq}, "
+          f"Mesh.auto({a.devices}, ('pp', 'dp', 'tp')), memory_limit {a.memory_limit}")
     w0 = time.perf_counter()
-    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh.auto(a.devices, ("pp", "dp", "tp")), dims=dims,
-                               train=True, hardware="h100", memory_limit=a.memory_limit, **extra)
+    try:
+        plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh.auto(a.devices, ("pp", "dp", "tp")), dims=dims,
+                                   train=True, hardware="h100", memory_limit=a.memory_limit, **extra)
+    except ValueError as e:  # nothing fits: the planner says why, per pipeline degree
+        print(f"no plan ({time.perf_counter() - w0:.1f} s with export): {e}")
+        return
     wall = time.perf_counter() - w0
     t = plan.timings
     d = plan.pipeline_decision
-    print(f"\n== {case}: {n / 1e9:.1f}B parameters, {a.layers} layers, batch {a.batch} x seq {a.seq}, "
-          f"Mesh.auto({a.devices}, ('pp', 'dp', 'tp')), memory_limit {a.memory_limit}")
     print(f"chosen: {plan.mesh}" + (f", {plan.schedule_name}, {plan.microbatches} microbatches" if d.pp > 1 else ""))
     print(d.explain())
     print(f"torch.export {t['capture']:.2f} s (twice when pipelined: whole batch for the search, one microbatch "
