@@ -266,6 +266,32 @@ def _microbatch_options(batch: int, batch_split: int, pp: int) -> list:
     return out
 
 
+def _best_estimate(inners, pp, axis, cm, frac, boundary, batch, schedules, microbatches, virtual, n_blocks,
+                   memory_limit):
+    """The fastest pipelined estimate within ``memory_limit`` over the inner plans, schedules and
+    microbatch counts, and the leanest of those over it: ``(best or None, leanest or None)``."""
+    best, leanest = None, None
+    for inner in inners:
+        split = math.prod(inner.mesh.axes[a] for a in (inner.layout.get("batch") or ()))
+        ms = [microbatches] if microbatches else _microbatch_options(batch, split, pp)
+        for sched in schedules:
+            for v in ([virtual or 2] if sched == "interleaved" else [1]):
+                if sched == "interleaved" and pp * v > n_blocks:
+                    continue
+                for m in ms:
+                    try:
+                        est = estimate_pipeline(inner, {axis: pp, **inner.mesh.axes}, axis, cm, pp=pp, schedule=sched,
+                                                microbatches=m, virtual=v, fraction=frac, boundary_bytes=boundary)
+                    except ValueError:  # e.g. interleaved with microbatches not a multiple of pp
+                        continue
+                    if memory_limit is not None and est.peak > memory_limit:
+                        if leanest is None or est.peak < leanest.peak:
+                            leanest = est
+                    elif best is None or est.step_time < best.step_time * (1 - 1e-9):
+                        best = est
+    return best, leanest
+
+
 def choose_pipeline(graph, inputs, info, automesh, axis: str, *, batch: int, constraints=None, train: bool = True,
                     zero_stage=None, reshard_after_forward=None, memory_limit=None, cost_model=None,
                     bucket_mb: float = 25.0, units="block", checkpoint=None, schedule=None, microbatches=None,
@@ -303,42 +329,29 @@ def choose_pipeline(graph, inputs, info, automesh, axis: str, *, batch: int, con
             decision.tried.append((pp, f"more stages than the {n_blocks} repeated blocks"))
             continue
         frac = stage_fraction(inputs, vals, pp)
-        inners = []
-        for lim in ((memory_limit / frac, None) if memory_limit else (None,)):
-            # first the plans whose whole-model memory fits limit / fraction (a stage's state and
-            # GPipe's activations, the most, then fit); when none does, the fastest few, as a
-            # stage holds less (1F1B's activations, gathers not scaled): checked exactly below
+        best, leanest, searched = None, None, False
+        # The inner search keeps the plans whose whole-model memory fits limit / fraction x
+        # relax: at 1 a stage's state and GPipe's activations (the most) then fit; a stage holds
+        # less (1F1B's activations, one microbatch's buffers), so the bound is relaxed until an
+        # estimate fits, last to the fastest few at any memory; each checked exactly.
+        for relax in ((1, 2, 4, None) if memory_limit else (None,)):
+            lim = memory_limit / frac * relax if relax else None
             try:
                 res = plan_search(graph, inputs, info, by_pp[pp], checkpoint=False, memory_limit=lim, **common)
-                inners = [res.best] + list(res.alternatives)
-                break
             except ValueError:
                 continue
-        best, leanest = None, None
-        for inner in inners:
-            split = math.prod(inner.mesh.axes[a] for a in (inner.layout.get("batch") or ()))
-            ms = [microbatches] if microbatches else _microbatch_options(batch, split, pp)
-            for sched in schedules:
-                for v in ([virtual or 2] if sched == "interleaved" else [1]):
-                    if sched == "interleaved" and pp * v > n_blocks:
-                        continue
-                    for m in ms:
-                        try:
-                            est = estimate_pipeline(inner, {axis: pp, **inner.mesh.axes}, axis, cm, pp=pp,
-                                                    schedule=sched, microbatches=m, virtual=v, fraction=frac,
-                                                    boundary_bytes=boundary)
-                        except ValueError:
-                            continue
-                        if memory_limit is not None and est.peak > memory_limit:
-                            if leanest is None or est.peak < leanest.peak:
-                                leanest = est
-                            continue
-                        if best is None or est.step_time < best.step_time * (1 - 1e-9):
-                            best = est
+            searched = True
+            b, lean = _best_estimate([res.best] + list(res.alternatives), pp, axis, cm, frac, boundary, batch,
+                                     schedules, microbatches, virtual, n_blocks, memory_limit)
+            if lean is not None and (leanest is None or lean.peak < leanest.peak):
+                leanest = lean
+            if b is not None:
+                best = b
+                break
         decision.tried.append((pp, best if best is not None else
                                "no schedule and microbatch count fits" +
                                (f"; the leanest: {leanest.describe()}" if leanest is not None else
-                                "" if inners else " (no plan on the other axes)")))
+                                "" if searched else " (no plan on the other axes)")))
         if best is not None:
             decision.chosen = best
             break  # the first degree that fits: deeper pipelines only add bubble and transfers
