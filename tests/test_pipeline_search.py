@@ -40,7 +40,7 @@ def test_in_flight_per_schedule():
     assert in_flight("1f1b", 4, 8) < in_flight("interleaved", 4, 8, 2) < in_flight("gpipe", 4, 8)
 
 
-def test_pp_only_when_state_does_not_fit(model70):
+def test_pp_only_when_nothing_fits_without_it(model70):
     model, args, dims = model70
     n = sum(p.numel() for p in model.parameters())
     embed = model.embed_tokens.weight.numel()
