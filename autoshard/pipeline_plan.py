@@ -14,6 +14,7 @@ Example::
     plan.stages                      # per stage: modules, parameter bytes, ...
     plan.schedule                    # {pp rank: [F(mb=0, stage=0), ...]}
     losses, params = plan.simulate_train([args] * 3, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    plan.export("out/pp", args)      # a program per stage; torchrun --nproc-per-node=4 out/pp/run.py --steps 2 --check
 """
 from __future__ import annotations
 

@@ -11,6 +11,13 @@ processes holds ``seq / R`` positions and one intra-op thread; the step time is 
 rank's median over ``--steps`` steps after a warm-up. The unsharded baseline is one process (one
 thread) running ``F.scaled_dot_product_attention`` on the whole sequence. Every sharded output is
 checked against the unsharded one before timing.
+
+The last column is PyTorch's ``context_parallel`` on the same inputs (q, k, v as its ``buffers``,
+is_causal, GQA via ``enable_gqa``), its output gathered with ``context_parallel_unshard`` and
+checked against the unsharded one; where it does not run, the column is the one-line error. On
+CPU it does not: SDPA on CPU dispatches ``aten._scaled_dot_product_flash_attention_for_cpu``,
+which has no DTensor sharding strategy (torch 2.13 registers its ring only for the flash /
+efficient / cuDNN ops, whose kernels are CUDA-only).
 """
 from __future__ import annotations
 
@@ -71,21 +78,38 @@ def _worker(rank, world, seq, steps):
 
 
 def _torch_context_parallel(world, q, k, v, steps):
-    """PyTorch's context_parallel (ring SDPA over a DeviceMesh), if it runs on CPU / gloo."""
+    """PyTorch's ``context_parallel`` on the same attention, if it runs on CPU / gloo.
+
+    Its ``buffers`` are sharded in place along ``buffer_seq_dims`` (head-tail order, i.e. zigzag,
+    when the sequence divides by 2R) and restored on exit, so they must be plain inputs: here
+    copies of q, k, v that do not require grad. Inside the context, where
+    ``F.scaled_dot_product_attention`` is patched to its ring, each rank makes leaves of its
+    shards and runs forward + backward; the step time is measured inside one context, as ours is
+    on pre-sharded inputs. Returns (step seconds, whole output gathered back in sequence order)
+    or the one-line reason it does not run.
+    """
+    import torch.distributed as dist
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        qq, kk, vv = (x.repeat_interleave(H // x.shape[1], 1).clone().requires_grad_() for x in (q, k, v))
+        bufs = [x.detach().clone() for x in (q, k, v)]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+            mine = [b.detach().requires_grad_() for b in bufs]
 
-        def step():
-            with context_parallel(mesh, buffers=[qq, kk, vv], buffer_seq_dims=[2, 2, 2]):
-                out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+            def step():
+                out = F.scaled_dot_product_attention(*mine, is_causal=True, enable_gqa=True)
                 out.backward(torch.ones_like(out))
-            return out
-        return _time(step, steps)
+                dist.barrier()
+                return out
+
+            out = step().detach()
+            t = _time(step, steps)
+        whole = context_parallel_unshard(mesh, [out], [2])[0]
+        return t, whole
     except Exception as e:  # report why, do not fail the benchmark
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
 def main(argv=None):
@@ -94,19 +118,21 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args(argv)
+    if "LOCAL_RANK" in os.environ:  # under torchrun every rank would spawn its own ring
+        sys.exit("run with python, not torchrun: the script starts its own gloo processes (--ranks)")
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1/5/15 min), "
           f"{os.cpu_count()} cores; seq {a.seq}, heads {H}/{G} kv, head dim {D}, fp32, causal, zigzag")
     torch.set_num_threads(1)
     q, k, v = (x.requires_grad_() for x in _inputs(a.seq))
 
     def whole():
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1),
-                                             is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out.backward(torch.ones_like(out))
         return out
     ref = whole().detach()
     t_whole = _time(whole, a.steps)
-    print(f"{'ranks':>5}  {'ring ms':>9}  {'all-gather ms':>13}  {'unsharded ms':>12}  torch context_parallel")
+    print(f"{'ranks':>5}  {'ring ms':>9}  {'all-gather ms':>13}  {'unsharded ms':>12}  {'ring/unsh':>9}  "
+          f"{'ring/ag':>7}  torch context_parallel")
     for n in a.ranks:
         res = spawn(_worker, n, a.seq, a.steps, timeout=900)
         idx = order_index(a.seq, n, "zigzag").view(n, -1)
@@ -118,9 +144,14 @@ def main(argv=None):
         ring = max(r["ring"] for r in res) * 1e3
         ag = max(r["allgather"] for r in res) * 1e3
         tcp = res[0]["torch_cp"]
-        tcp = f"{max(r['torch_cp'] for r in res) * 1e3:.1f} ms" if not isinstance(tcp, str) else f"does not run: {tcp}"
-        print(f"{n:>5}  {ring:>9.1f}  {ag:>13.1f}  {t_whole * 1e3:>12.1f}  {tcp}")
-
+        if isinstance(tcp, str):
+            tcp = f"does not run on CPU/gloo: {tcp}"
+        else:  # a number only for a run whose output equals the unsharded one
+            torch.testing.assert_close(tcp[1], ref, rtol=1e-4, atol=1e-5)
+            t = max(r["torch_cp"][0] for r in res) * 1e3
+            tcp = f"{t:.1f} ms (ring/torch {ring / t:.2f}x)"
+        print(f"{n:>5}  {ring:>9.1f}  {ag:>13.1f}  {t_whole * 1e3:>12.1f}  {ring / (t_whole * 1e3):>8.2f}x  "
+              f"{ring / ag:>6.2f}x  {tcp}", flush=True)
 
 if __name__ == "__main__":
     main()

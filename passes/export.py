@@ -149,7 +149,20 @@ def _arg_comment(inp, place, mesh) -> str:
 
 def generate_program(plan, inputs_meta: list) -> str:
     """The per-rank program of ``plan`` as a standalone Python module (source text)."""
-    gm = plan.graph_module
+    return generate_module(plan.graph_module, plan.mesh, inputs_meta, _program_header(plan))
+
+
+def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optional[dict] = None) -> str:
+    """An FX program (the per-rank program, or one pipeline stage of it) as a standalone Python
+    module defining ``forward``: ``header`` (a docstring) first, each argument commented with
+    its owner (``inputs_meta`` by placeholder name, else ``arg_notes[name]``), a comment above
+    every collective.
+
+    Example::
+
+        src = generate_module(plan.graph_module, plan.mesh, inputs_meta, header="# my program\\n")
+        exec(compile(src, "program.py", "exec"), ns := {}); ns["forward"]
+    """
     graph = fx.Graph()
     val_map: dict = {}
     out = graph.graph_copy(gm.graph, val_map)
@@ -170,7 +183,8 @@ def generate_program(plan, inputs_meta: list) -> str:
     for node in graph.nodes:
         if node.op == "placeholder":
             m = by_name.get(node.name)
-            comments.append(_arg_comment(m, place_by_name.get(node.name), plan.mesh) if m else "")
+            comments.append(_arg_comment(m, place_by_name.get(node.name), mesh) if m
+                            else (arg_notes or {}).get(node.name, ""))
     graph.set_codegen(_ProgramCodeGen(comments, collective_fns))
     code = graph.python_code("self")
     nodes = list(graph.nodes)
@@ -197,7 +211,7 @@ def generate_program(plan, inputs_meta: list) -> str:
     src = "\n".join(body).rstrip() + "\n"
     src = re.sub(r"\btorch\.ops\.aten\.", "aten.", src)
     imports = _imports(code.globals, src, collective_fns)
-    return _program_header(plan) + imports + "\n\n" + src
+    return header + imports + "\n\n" + src
 
 
 def _imports(globals_: dict, src: str, collective_fns: dict) -> str:
@@ -403,7 +417,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
 
 def make_reference(plan, args, kwargs, *, steps: int = 2, lr: float = 1e-3) -> dict:
     """Outputs and gradients of the unsharded model (a copy of it) on ``args``, and its losses
-    over ``steps`` AdamW steps on that batch. The loss is the output run.py seeds backward with
+    over ``steps`` AdamW steps on that batch and its trainable parameters after them. The loss is the output run.py seeds backward with
     (``plan.loss_index()``), summed if it is not a scalar."""
     model = copy.deepcopy(plan.model)
     model.zero_grad(set_to_none=True)
@@ -424,7 +438,9 @@ def make_reference(plan, args, kwargs, *, steps: int = 2, lr: float = 1e-3) -> d
         if steps:
             opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"outputs": outputs, "grads": grads, "losses": losses[:steps], "optimizer": "adamw", "lr": lr}
+    trained = {t: params[t].detach().clone() for t in trainable} if steps else None  # after every step
+    return {"outputs": outputs, "grads": grads, "losses": losses[:steps], "params": trained, "optimizer": "adamw",
+            "lr": lr}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -511,13 +527,21 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         if missing:
             raise ExportError(f"checkpoint {checkpoint} has no tensor for {len(missing)} parameter(s), e.g. "
                               f"{missing[:3]} (hint: keys must be the model's parameter names)")
-    program_src = generate_program(plan, inputs_meta)
-    compile(program_src, str(path / PROGRAM), "exec")  # a codegen bug fails here, not under torchrun
+    pipelined = XP.is_pipelined(plan)
+    if pipelined:  # a program file per stage; inputs described by the step's global batch
+        XP.check_exportable(plan)
+        sources = XP.stage_sources(plan, inputs_meta)
+        inputs_meta = XP.step_inputs(plan, inputs_meta)
+    else:
+        sources = {PROGRAM: generate_program(plan, inputs_meta)}
+    for name, src in sources.items():
+        compile(src, str(path / name), "exec")  # a codegen bug fails here, not under torchrun
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
-        (tmp / PROGRAM).write_text(program_src)
+        for name, src in sources.items():
+            (tmp / name).write_text(src)
         shutil.copyfile(Path(__file__).with_name("export_runner.py"), tmp / RUNNER)
         state = {}
         for m in inputs_meta:
@@ -542,6 +566,8 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
                         checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
                         reference=ref_meta)
         doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference}
+        if pipelined:
+            doc.update(program=None, pipeline=XP.pipeline_json(plan))
         (tmp / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -589,17 +615,23 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     the program, weights and inputs exactly as run.py does: forward only, or ``steps`` training
     steps. Returns one dict per rank: ``outputs`` (flat, local; of the first step), ``grads``
     ({FQN: local gradient} of the first step), ``losses``, and with ``check`` the comparison
-    with the saved references (``ok``, ``worst_out``, ``worst_grad``, ``problems``)."""
+    with the saved references (``ok``, ``worst_out``, ``worst_grad``, ``problems``). A pipelined
+    export runs its schedule: ``outputs`` is ``{microbatch: flat local outputs}`` on the last
+    stage's ranks (None elsewhere) and ``losses`` the step losses on every rank."""
     R = export_runner
     path = Path(path)
     doc = R.read_plan(path)
-    program = R.load_program(path)
+    program = R.load_programs(path, doc)
     mesh = Mesh(doc["mesh"])
     user = inputs if inputs is not None else R.load_inputs(path, doc, synthetic=False)
     weights = R.open_weights(path, doc, weights, allow_partial)  # weights: run.py's --weights
     ref = torch.load(path / doc["reference"]["file"], weights_only=True) if check else None
 
     def rank_fn(rank):
+        if doc.get("pipeline"):
+            PR = R._pipeline()
+            rp = PR.PipelineProgram(doc, mesh, rank, program, weights, torch.device("cpu"), steps > 0, R)
+            return PR.rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref, R=R)
         rp = R.RankProgram(doc, mesh, rank, program, weights, torch.device("cpu"), train=steps > 0)
         return R.rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref)
 
@@ -620,7 +652,7 @@ def simulate_run(path, *argv: str) -> list:
     path = Path(path)
     args = R._parser().parse_args(list(argv))
     doc = R.read_plan(path)
-    program = R.load_program(path)
+    program = R.load_programs(path, doc)
     mesh = Mesh(doc["mesh"])
     loop = R.prepare_training(path, doc, args)
     if not loop:
@@ -637,3 +669,7 @@ def simulate_run(path, *argv: str) -> list:
         return res
 
     return run_simulated(mesh, rank_fn)
+
+
+# pipelined plans (a program file per stage); imported last: it builds on this module
+from . import export_pipeline as XP  # noqa: E402

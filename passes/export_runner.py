@@ -146,11 +146,30 @@ def read_plan(root: Path) -> dict:
             raise bad("grad_buckets does not name the mesh's axes and trainable parameters")
     if not 0 <= doc["loss_output"] < len(doc["outputs"]):
         raise bad(f"loss_output {doc['loss_output']} is not an output")
+    if doc.get("pipeline") is not None:
+        _pipeline().validate(doc, mesh, bad)
     return doc
 
 
-def load_program(root: Path):
-    path = root / "program.py"
+def _pipeline():
+    """The runner of pipelined exports (a program file per stage, the schedule in plan.json)."""
+    from autoshard.passes import export_pipeline_runner
+
+    return export_pipeline_runner
+
+
+def _this():
+    """This module (run.py runs it as __main__): its RunError is the one run() reports."""
+    return sys.modules[__name__]
+
+
+def load_programs(root: Path, doc: dict):
+    """program.py, or for a pipelined export every stage file (one ``DEVICE`` for them all)."""
+    return _pipeline().load_stages(root, doc, _this()) if doc.get("pipeline") else load_program(root)
+
+
+def load_program(root: Path, name: str = "program.py"):
+    path = root / name
     if not path.is_file():
         raise RunError(f"{path} is missing (hint: export the plan again)")
     spec = importlib.util.spec_from_file_location(f"autoshard_program_{abs(hash(str(path)))}", path)
@@ -363,6 +382,38 @@ def _planned_value(m: dict):
     return UNCHECKED
 
 
+def rank_spec(doc: dict, mesh: Mesh, forward, train: bool) -> RankSpec:
+    """The :class:`~autoshard.runtime.local.RankSpec` of plan.json: every argument of the
+    program as a slot (how it is stored, trainable when ``train``), the data axes and buckets."""
+    slots = []
+    for m in doc["inputs"]:
+        if m.get("role", "input") == "full":
+            slots.append(Slot(m["name"], "full", m["of"], m.get("_place")))
+            continue
+        st = m.get("storage")
+        storage = ParamStorage(m["_place"], st["axis"], st["dim"], st.get("stage", 0), st["mode"],
+                               bool(st.get("reshard"))) if st else None
+        z1 = m.get("zero1")
+        slots.append(Slot(m["name"], m["kind"], m["target"], m.get("_place"), m.get("_use"), storage,
+                          bool(train and m.get("trainable")), (z1["axis"], z1["dim"]) if z1 else None,
+                          tuple(m["shape"]) if m.get("shape") is not None else None,
+                          m.get("_dtype", torch.float32), _planned_value(m)))
+    buckets = doc.get("grad_buckets") or {}
+    # a pipelined step defers every data-axis gradient sum to its last microbatch (they are in
+    # the stage programs, not in buckets); otherwise the data axis is the buckets'
+    axes = list(doc.get("data_axes") or []) if doc.get("pipeline") else ([buckets["axis"]] if buckets.get("axis") else [])
+    return RankSpec(mesh, forward, slots, axes,
+                    frozenset(doc.get("reshard_tags") or ()),
+                    [(b["tag"], list(b["params"])) for b in buckets.get("buckets", [])] if train else [],
+                    reduce_dtype=getattr(torch, doc["reduce_dtype"]) if doc.get("reduce_dtype") else None)
+
+
+def weights_lookup(weights: Weights):
+    """``lookup(slot)`` for LocalModule: the slot's global tensor from the weights (None for a
+    non-tensor value)."""
+    return lambda slot: weights.find(slot.target) if slot.shape is not None else None
+
+
 class RankProgram:
     """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
     ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.runtime.local.LocalModule` and
@@ -370,26 +421,7 @@ class RankProgram:
 
     def __init__(self, doc: dict, mesh: Mesh, rank: int, program, weights: Weights, device, train: bool):
         self.doc, self.mesh, self.rank, self.device = doc, mesh, rank, device
-        slots = []
-        for m in doc["inputs"]:
-            if m.get("role", "input") == "full":
-                slots.append(Slot(m["name"], "full", m["of"], m.get("_place")))
-                continue
-            st = m.get("storage")
-            storage = ParamStorage(m["_place"], st["axis"], st["dim"], st.get("stage", 0), st["mode"],
-                                   bool(st.get("reshard"))) if st else None
-            z1 = m.get("zero1")
-            slots.append(Slot(m["name"], m["kind"], m["target"], m.get("_place"), m.get("_use"), storage,
-                              bool(train and m.get("trainable")), (z1["axis"], z1["dim"]) if z1 else None,
-                              tuple(m["shape"]) if m.get("shape") is not None else None,
-                              m.get("_dtype", torch.float32), _planned_value(m)))
-        buckets = doc.get("grad_buckets") or {}
-        spec = RankSpec(mesh, program.forward, slots, [buckets["axis"]] if buckets.get("axis") else [],
-                        frozenset(doc.get("reshard_tags") or ()),
-                        [(b["tag"], list(b["params"])) for b in buckets.get("buckets", [])] if train else [],
-                        reduce_dtype=getattr(torch, doc["reduce_dtype"]) if doc.get("reduce_dtype") else None)
-        lookup = lambda slot: weights.find(slot.target) if slot.shape is not None else None  # noqa: E731
-        self.local = LocalModule(spec, rank, lookup, device)
+        self.local = LocalModule(rank_spec(doc, mesh, program.forward, train), rank, weights_lookup(weights), device)
         self.params = {self.local.fqn_of[n]: p for n, p in self.local.named_parameters() if p.requires_grad}
         self.opt = None
 
@@ -521,7 +553,7 @@ def prepare(root: Path, args) -> dict:
         raise RunError("--steps trains parameters, but this program has no trainable ones")
     if args.synthetic and args.inputs:
         raise RunError("--synthetic and --inputs exclude each other")
-    program = load_program(root)
+    program = load_programs(root, doc)
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
     weights = open_weights(root, doc, args.weights, args.allow_partial)
@@ -686,11 +718,21 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
         f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
         + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
            if train else "forward only"))
+    if doc.get("pipeline"):
+        p = doc["pipeline"]
+        say(f"pipeline on {p['axis']}: {len(p['stages'])} stages, {p.get('schedule')}, {p['microbatches']} "
+            f"microbatches per step")
     with rank_context(mesh, rank, backend):
-        rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
-        if ctx["loop"]:
+        if doc.get("pipeline"):
+            PR = _pipeline()
+            rp = PR.PipelineProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train, _this())
+            res = PR.rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                               ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this())
+        elif ctx["loop"]:
+            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
         else:
+            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
             res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
     if ctx["ref"] is None:
@@ -703,6 +745,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
         print(f"run.py: rank {rank}: {msg}", file=sys.stderr, flush=True)
     ok, text = summarize_check(doc, ctx["ref"], args, flags.item() == 1.0, worst.tolist(), res["losses"],
                                mesh.size)
+    if ok and res.get("params_checked"):  # a pipelined export also checks the trained parameters
+        text += f"; parameters after {args.steps} steps match"
     say(text)
     return 0 if ok else 1
 
@@ -766,6 +810,9 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
     option is given; else the token source, the checkpoint to resume and the schedule."""
     if not uses_training_loop(args):
         return {}
+    if doc.get("pipeline"):
+        raise RunError(f"a pipelined export runs --steps N [--check] on its saved or given inputs; the training "
+                       f"loop options ({_pipeline().LOOP_OPTIONS}) are not supported for it yet")
     if args.steps <= 0:
         raise RunError("the training loop options (--data, --ckpt, --resume, --lr-schedule, ...) need --steps N > 0")
     if args.check:
