@@ -102,8 +102,9 @@ class PipelineDecision:
         if self.chosen is None:
             best = self.flat.best
             return (f"Pipeline ({self.axis}): not used. The best plan without it fits {lim} (peak "
-                    f"{gb(best.cost.memory['peak'])} per rank, state {gb(best.cost.memory['persistent'])}), and a "
-                    f"pipeline would only add bubble and boundary transfers; searched in {self.seconds:.2f} s.")
+                    f"{gb(best.cost.memory['peak'])} per rank, state {gb(best.cost.memory['persistent'])}); a pipeline "
+                    f"(bubble, boundary transfers) is considered only when nothing fits without it. Searched in "
+                    f"{self.seconds:.2f} s.")
         c = self.chosen
         lines = [f"Pipeline ({self.axis}): {self.axis}={c.pp} because no plan without it fits {lim}: "
                  f"{self.flat_error}."]
