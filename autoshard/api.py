@@ -30,8 +30,8 @@ from torch.utils import _pytree as pytree
 
 from .arguments import check_dims, check_layout, check_zero_stage
 from .mesh import AutoMesh, Mesh
-from .pipeline_plan import (PipelinePlan, default_microbatches, finish_pipeline, first_microbatch,
-                            pipeline_options)
+from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatches, finish_pipeline,
+                            first_microbatch, pipeline_options)
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.checkpoint import block_name, block_regions
@@ -45,6 +45,7 @@ from autoshard.cost.context import choose_variant
 from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.cost.units import choose_units
 from autoshard.cost.search import plan_search
+from autoshard.cost.pipeline_search import choose_pipeline
 from autoshard.passes.program import build_program
 from autoshard.passes.units import check_policy
 
@@ -125,6 +126,15 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     searching = _wants_search(layout, search, meshes, memory_limit)
     pipe = pipeline_options(pipeline, mesh)
+    # Mesh.auto with a pipeline axis: the pipeline degree is searched too (cost/pipeline_search.py)
+    auto_pp = auto_pipeline_axis(mesh, pipeline) if meshes is not None else None
+    if auto_pp is not None and checkpoint:
+        raise ValueError("checkpoint=True is not supported with a pipeline axis yet")
+    if auto_pp is not None:
+        pipe = None  # the degree is searched first; a chosen pipeline is planned on its own mesh
+    elif meshes is not None and pipeline is not None:
+        raise ValueError(f"pipeline= with {mesh}: name the pipeline axis among its axes, e.g. "
+                         f"Mesh.auto(n, ('pp', 'dp', 'tp'))")
     if pipe is not None and meshes is None and len(mesh.axes) == 1:
         searching = False  # the pipeline axis is the whole mesh: nothing else to lay out
     param_dtype, reduce_dtype = check_precision(precision)
@@ -160,13 +170,31 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         t = time.perf_counter()
         cost_model = resolve_cost_model(hardware)
         search_meshes = meshes or [mesh if pipe is None else Mesh({a: n for a, n in mesh.axes.items() if a != pipe.axis})]
-        search_result = plan_search(
-            cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
+        search_args = dict(
             train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
             memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
             display={i.name: i.target for i in cap.inputs},
             units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"),
             checkpoint=False if pipe is not None else checkpoint)
+        if auto_pp is not None:
+            decision = choose_pipeline(cap.graph, cap.inputs, info, mesh, auto_pp, batch=_batch_size(args, kwargs),
+                                       constraints=_constraints(layout, search, info), **search_args,
+                                       **{k: (pipeline or {}).get(k) for k in ("schedule", "microbatches", "virtual")})
+            if decision.pp > 1:
+                # plan the chosen pipeline on its mesh: the layout and ZeRO stage found, the
+                # program captured again for one microbatch
+                plan = _plan_pipeline(decision, model, args, kwargs, dims=dims, train=train, units=units,
+                                      bucket_mb=bucket_mb, hardware=cost_model, moe=moe, verbose=verbose,
+                                      precision=precision, context=context,
+                                      strict=strict, cuts=(pipeline or {}).get("cuts"))
+                plan.timings["capture"] += timings["capture"]
+                plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
+                plan.timings["dims"] += timings["dims"]
+                return plan
+            search_result = decision.flat
+        else:
+            search_result = plan_search(cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
+                                        **search_args)
         layout = search_result.layout
         mesh = search_result.mesh if pipe is None else mesh
         if train and zero_stage is None:
@@ -218,6 +246,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     # for plan.cost / plan.alternatives / plan.explain()
     plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
     plan.units = units
+    plan.pipeline_decision = decision if auto_pp is not None else None
     if use_checkpoint:
         plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
     plan.example_inputs = (tuple(args), dict(kwargs or {}))
@@ -228,6 +257,28 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         lapses = plan.unsharded
         raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
                           f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
+    return plan
+
+
+def _batch_size(args, kwargs) -> int:
+    """Dim 0 of the tensor inputs (the global batch a pipeline splits into microbatches)."""
+    sizes = [t.shape[0] for t in pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+             if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    return min(sizes) if sizes else 1
+
+
+def _plan_pipeline(decision, model, args, kwargs, *, cuts, **options) -> Plan:
+    """The pipelined plan ``decision`` (``cost.pipeline_search``) chose for ``Mesh.auto``."""
+    c = decision.chosen
+    inner = c.inner
+    cand = inner.candidate
+    plan = autoshard(model, args, kwargs, mesh=Mesh({decision.axis: c.pp, **inner.mesh.axes}),
+                     layout={k: v for k, v in inner.layout.items()}, search=True,
+                     zero_stage=cand.zero_stage if options["train"] else None,
+                     reshard_after_forward=cand.reshard if cand.zero_stage == 3 else None,
+                     pipeline={"axis": decision.axis, "microbatches": c.microbatches, "schedule": c.schedule,
+                               "virtual": c.virtual, "cuts": cuts}, **options)
+    plan.pipeline_decision = decision
     return plan
 
 

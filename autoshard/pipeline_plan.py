@@ -357,6 +357,22 @@ def pipeline_options(pipeline, mesh) -> PipelineOptions | None:
                            list(cuts) if cuts is not None else None)
 
 
+def auto_pipeline_axis(mesh, pipeline) -> str | None:
+    """The pipeline axis of a ``Mesh.auto`` whose pipeline degree the planner chooses: the
+    ``axis`` of ``pipeline=`` or an axis named ``pp``; None when it has neither.
+
+    >>> from autoshard.mesh import Mesh
+    >>> auto_pipeline_axis(Mesh.auto(8, ("pp", "dp", "tp")), None), auto_pipeline_axis(Mesh.auto(8), None)
+    ('pp', None)
+    """
+    axes = tuple(getattr(mesh, "axes", ()))
+    if isinstance(pipeline, dict) and pipeline.get("axis"):
+        if pipeline["axis"] not in axes:
+            raise ValueError(f"pipeline axis {pipeline['axis']!r} is not an axis of {mesh}")
+        return pipeline["axis"]
+    return "pp" if "pp" in axes else None
+
+
 def first_microbatch(args, kwargs, microbatches: int):
     """``(args, kwargs)`` of the first of ``microbatches`` equal microbatches (tensors split on
     dim 0): the shapes the stage programs are captured for."""

@@ -461,5 +461,12 @@ class Plan:
         return alternatives(self)
 
     def explain(self) -> str:
-        """Why this plan: its predicted cost, and what makes the runner-up slower."""
-        return explain(self)
+        """Why this plan: its predicted cost, and what makes the runner-up slower (and, for a
+        ``Mesh.auto`` with a pipeline axis, why the pipeline degree)."""
+        decision = getattr(self, "pipeline_decision", None)
+        if decision is None:
+            return explain(self)
+        if decision.pp == 1:
+            return explain(self) + "\n" + decision.explain()
+        return (decision.explain() + "\nThe other axes (costed below for the whole per-rank program, before the "
+                "stage cut):\n" + explain(self))
