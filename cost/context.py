@@ -24,7 +24,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from autoshard.runtime.ring_attention import chunk_ranges, online_softmax_merge
+from autoshard.passes import context as cp
+from autoshard.passes.context import SDPA
+from autoshard.passes.rules import arg
+from autoshard.passes.spmd import input_placements
+from autoshard.runtime.ring_attention import allgather_attention, chunk_ranges, online_softmax_merge, ring_attention
 
 from .comm import collective_time
 from .compute import attention_flops, roofline_time
@@ -186,9 +190,6 @@ class ContextSearch:
     """
 
     def __init__(self, graph, info, cm):
-        from autoshard.passes.context import SDPA
-        from autoshard.passes.rules import arg
-
         self.cm = cm
         names, refused = set(), set()
         for node in graph.nodes:
@@ -211,9 +212,6 @@ class ContextSearch:
         """``regions=`` / ``fixed=`` for ``spmd.rewrite`` of a program whose layout may split
         attention's queries (the search's one-axis programs): the SDPA nodes become ring or
         all-gather attention as in ``build_program``. Empty when nothing is split."""
-        from autoshard.passes import context as cp
-        from autoshard.passes.spmd import input_placements
-
         if not self.names:
             return {}
         ctx = cp.plan_context(graph, info, resolved, mesh, self.options(mesh))
@@ -245,8 +243,6 @@ def context_explanation(program, mesh, cm, *, step_time: float = 0.0, memory_lim
     ...                     whole=("tp: ffn+heads", 0.25, 1.1e11))                   # doctest: +SKIP
     ['Context parallelism: seq is split on cp (8 ranks, zigzag order) ...', ...]
     """
-    from autoshard.runtime.ring_attention import allgather_attention, ring_attention
-
     nodes = [n for n in program.graph_module.graph.nodes
              if n.op == "call_function" and n.target in (ring_attention, allgather_attention)]
     if not nodes:

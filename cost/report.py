@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from autoshard.ownership import local_shape
+from autoshard.passes.program import build_program
+from autoshard.passes.spmd import LayoutError, resolve_layout
 
 from .checkpoint import checkpointed_program_cost
 from .context import context_explanation
@@ -150,9 +152,6 @@ def _context_lines(plan, res, cost) -> list:
 def _sequence_whole(plan, seq_names):
     """(layout description, step seconds, peak bytes) of ``plan`` with its context-parallel
     sequence kept whole (the rest of the layout as it is), or None if that plan is invalid."""
-    from autoshard.passes.program import build_program
-    from autoshard.passes.spmd import LayoutError, resolve_layout
-
     layout = {**plan.layout, **{n: None for n in seq_names.values() if n}}
     cap, cm = plan.captured, _cost_model(plan)
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}

@@ -26,6 +26,7 @@ import torch
 
 from autoshard.ownership import Shard, local_piece
 from autoshard.runtime import current
+from autoshard.runtime.local import ShardedOptimizer
 from autoshard.runtime.pipeline import BoundarySpec, PipelineRank, PipelineSpec, StageSpec, split_microbatches
 from autoshard.runtime.schedules import Action, check_schedule
 
@@ -134,8 +135,6 @@ class PipelineProgram:
         self.opt = None
 
     def make_optimizer(self, kind: str, lr: float):
-        from autoshard.runtime.local import ShardedOptimizer
-
         cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
         self.opt = ShardedOptimizer(self.local, lambda params: cls(params, lr=lr))
 

@@ -42,6 +42,7 @@ from autoshard.runtime.local import UNCHECKED, LocalModule, RankSpec, ShardedOpt
 from autoshard.runtime import checkpoint as ckpt
 from autoshard.runtime.clip import clip_grad_norm_
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
+from autoshard.passes import export_pipeline_runner
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
@@ -153,8 +154,6 @@ def read_plan(root: Path) -> dict:
 
 def _pipeline():
     """The runner of pipelined exports (a program file per stage, the schedule in plan.json)."""
-    from autoshard.passes import export_pipeline_runner
-
     return export_pipeline_runner
 
 

@@ -21,7 +21,7 @@ LAYERS = [
     ("facade", ["autoshard", "autoshard.api", "autoshard.plan", "autoshard.cli", "autoshard.__main__"]),
 ]
 # The exported launcher (run.py is a copy of it) runs where only the runtime is installed.
-CORE_ONLY = {"autoshard.passes.export_runner"}
+CORE_ONLY = {"autoshard.passes.export_runner", "autoshard.passes.export_pipeline_runner"}
 # Source folders and the package each one is imported as (pyproject.toml's package-dir).
 FOLDERS = {"autoshard": "autoshard", "passes": "autoshard.passes", "cost": "autoshard.cost"}
 
@@ -98,6 +98,8 @@ def upward_imports(module: str, path: Path) -> list:
     bad = []
     for line, target, _ in imported_modules(module, path):
         theirs = layer_of(target)
+        if module in CORE_ONLY and target in CORE_ONLY:
+            continue  # the launchers travel together
         if theirs is None or theirs > limit:
             name = "unknown" if theirs is None else LAYERS[theirs][0]
             where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
