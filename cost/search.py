@@ -846,16 +846,20 @@ class SearchSpace:
         return st["params"] + st.get("buffers", 0.0) + 2 * biggest
 
     # ------------------------------------------------------------------ communication bound
+    def _records_key(self, axis, names: frozenset) -> tuple:
+        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
+        extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
+        return ("axis-records", self.reduced is not None, self.mesh.axes[axis], names, extra1, self.train)
+
     def _axis_records(self, axis, names: frozenset):
         """Collectives on ``axis`` when it alone shards ``names`` (a one-axis rewrite): the
         rewrite decides each axis's ownership independently of the others, so a candidate
         with this axis option has at least these collectives on the axis, each moving at least
         its bytes divided by the other axes that can split the value. Cached."""
 
-        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
         size = self.mesh.axes[axis]
         extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
-        key = ("axis-records", self.reduced is not None, size, names, extra1, self.train)
+        key = self._records_key(axis, names)
         cache = self._shared
         if key in cache:
             return cache[key]
@@ -938,12 +942,21 @@ class SearchSpace:
 
     def comm_bound(self, cand: Candidate) -> float:
         """A lower bound on the blocking communication time of ``cand`` (seconds)."""
+        return self._comm_bound(cand)[0]
+
+    def cached_comm_bound(self, cand: Candidate) -> tuple:
+        """(bound, complete): :meth:`comm_bound` over the axes whose one-axis records are known
+        already (no rewrite). Each axis adds a sum of non-negative terms, so a part of the axes
+        bounds the whole; ``complete`` when no axis was left out."""
+        return self._comm_bound(cand, cached_only=True)
+
+    def _comm_bound(self, cand: Candidate, cached_only: bool = False) -> tuple:
         if cand.axes in self._cb_cache and cand.zero_stage < 2:
-            return self._cb_cache[cand.axes]
+            return self._cb_cache[cand.axes], True
         try:
             resolved2 = self._units(cand.layout(self.names, self.extra))
         except self._LayoutError:
-            return 0.0
+            return 0.0, True
         units2 = resolved2.units
         sets = {a: {n.rstrip(SOFT_MARK) for n in names} | {k for k, v in self.extra.items() if v and a in v}
                 for a, names in cand.axes}
@@ -952,8 +965,12 @@ class SearchSpace:
             _, _, _, axes = self._full_state(cand)
             data_axis = axes[0] if axes else None
         total = 0.0
+        complete = True
         for a, names in cand.axes:
             if self.mesh.axes[a] == 1:
+                continue
+            if cached_only and self._records_key(a, names) not in self._shared:
+                complete = False
                 continue
             got = self._axis_records(a, names)
             if got is None or got[0] != (tuple(sorted(units2[a])), tuple(sorted(resolved2.soft.get(a, ())))):
@@ -966,11 +983,13 @@ class SearchSpace:
                     if b != a and self.mesh.axes[b] > 1 and (bnames & touch or (is_param and b == data_axis)):
                         div *= self.mesh.axes[b]
                 total += mult * collective_seconds(self.cm, self.mesh, kind, (a,), nbytes / div)
+        if not complete:
+            return total, False
         if cand.zero_stage == 3 and data_axis is not None:
             total += self._zero3_gathers(cand, data_axis)
         if cand.zero_stage < 2:
             self._cb_cache[cand.axes] = total
-        return total
+        return total, True
 
     def stream_bound(self, cand: Candidate, comm: Optional[float] = None) -> float:
         """A lower bound on the communication stream's busy time in forward and backward
@@ -1146,7 +1165,8 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
             if limit is not None and space.memory_bound(c) > limit:
                 infeasible += 1
                 continue
-            heap.append((space.compute_bound(c), k, c, 2 if not refine else 0))
+            cb = space.compute_bound(c)
+            heap.append((cb, k, c, 3 if not refine else 0, cb))
         except space._LayoutError:
             continue
     heapq.heapify(heap)
@@ -1159,22 +1179,28 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
     last_print = t0
     notes = []
     while heap:
-        lb, k, c, level = heapq.heappop(heap)
+        lb, k, c, level, base = heapq.heappop(heap)
         costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
         if len(costs) >= keep and lb >= costs[keep - 1]:
             break  # nothing left can enter the best ``keep`` (of this and earlier meshes)
-        if level < 2:
-            # refine in two steps, cheapest first: the exact optimizer phase, then the
-            # communication the candidate cannot avoid (one-axis rewrites)
+        if level < 3:
+            # refine in steps, cheapest first: the exact optimizer phase (``base`` = compute +
+            # optimizer from then on), the communication of the axes whose one-axis records are
+            # known, then all the communication the candidate cannot avoid (one-axis rewrites
+            # for the rest: skipped where the known axes already bound the candidate out)
             try:
                 if level == 0:
-                    nxt = lb + space.optimizer_bound(c)
-                else:
-                    # compute, blocking communication and optimizer in sequence; or, in training,
-                    # the whole comm stream's forward and backward work, then the optimizer
-                    cb = space.comm_bound(c)
-                    nxt = max(lb + cb, space.optimizer_bound(c) + space.stream_bound(c, cb))
-                heapq.heappush(heap, (nxt, k, c, level + 1))
+                    base = lb + space.optimizer_bound(c)
+                    heapq.heappush(heap, (base, k, c, 1, base))
+                    continue
+                cb, complete = space.cached_comm_bound(c) if level == 1 else (space.comm_bound(c), True)
+                if not complete:
+                    heapq.heappush(heap, (base + cb, k, c, 2, base))
+                    continue
+                # compute, blocking communication and optimizer in sequence; or, in training,
+                # the whole comm stream's forward and backward work, then the optimizer
+                nxt = max(base + cb, space.optimizer_bound(c) + space.stream_bound(c, cb))
+                heapq.heappush(heap, (nxt, k, c, 3, base))
             except space._LayoutError:  # e.g. a ZeRO stage without a data axis
                 invalid += 1
             continue
