@@ -22,9 +22,10 @@ SPMD rewrite runs on that, and the cost model (``cost.model``) is applied to the
 program with the last block's events repeated for the blocks cut away. Equal to the cost of
 the plan rewritten from the whole graph (checked: the steady-state block must repeat exactly,
 else the whole graph is used). Candidates are visited best lower bound first (compute time
-with every op split by the axes that can touch it, plus the exact optimizer time, and
-persistent memory against ``memory_limit``), and the search stops when the bound exceeds the
-cost of the best few found: the winner is the exhaustive minimum.
+with every op split by the axes that can touch it, plus the exact optimizer time and the
+communication it cannot avoid; in training at least the communication stream's busy time plus
+the optimizer; and persistent memory against ``memory_limit``), and the search stops when
+the bound exceeds the cost of the best few found: the winner is the exhaustive minimum.
 
 Example::
 
@@ -1134,7 +1135,9 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     Every candidate gets a cheap lower bound (its compute, each op split as far as the axes
     that can touch it split it); candidates are taken in bound order, and before one is
     evaluated its bound is refined with the exact optimizer phase and the blocking
-    communication it cannot avoid (one-axis rewrites, cached per axis option). The search
+    communication it cannot avoid (one-axis rewrites, cached per axis option; the axes already
+    known first), and in training with the communication stream's busy time
+    (:meth:`SearchSpace.stream_bound`), whichever is larger. The search
     stops when the next bound reaches the cost of the ``keep``-th best plan found (here or in
     ``incumbent``, costs found on other meshes), so the best ``keep`` are exactly the best of the
     space. Candidates over ``memory_limit`` (state plus least activations, then the evaluated
