@@ -143,6 +143,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         model, args, kwargs = cast_for_precision(model, args, kwargs, param_dtype)
     timings = {}
     t0 = time.perf_counter()
+    c0 = time.process_time()  # CPU seconds too: on a shared machine wall time includes others' work
     if pipe is not None:
         pp = mesh.axes[pipe.axis] * (pipe.virtual or 1)
         pipe.microbatches = pipe.microbatches or default_microbatches(args, kwargs, pp)
@@ -151,6 +152,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     else:
         cap = captured if captured is not None else capture(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
+    timings["capture_cpu"] = time.process_time() - c0
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
 
     t = time.perf_counter()

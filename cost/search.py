@@ -22,9 +22,10 @@ SPMD rewrite runs on that, and the cost model (``cost.model``) is applied to the
 program with the last block's events repeated for the blocks cut away. Equal to the cost of
 the plan rewritten from the whole graph (checked: the steady-state block must repeat exactly,
 else the whole graph is used). Candidates are visited best lower bound first (compute time
-with every op split by the axes that can touch it, plus the exact optimizer time, and
-persistent memory against ``memory_limit``), and the search stops when the bound exceeds the
-cost of the best few found: the winner is the exhaustive minimum.
+with every op split by the axes that can touch it, plus the exact optimizer time and the
+communication it cannot avoid; in training at least the communication stream's busy time plus
+the optimizer; and persistent memory against ``memory_limit``), and the search stops when
+the bound exceeds the cost of the best few found: the winner is the exhaustive minimum.
 
 Example::
 
@@ -52,6 +53,7 @@ from typing import Optional
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from autoshard.mesh import Mesh, factorizations
 from autoshard.ownership import R, Replicate, data_axes
@@ -417,6 +419,7 @@ class SearchSpace:
         self._cands = None
         self._cb_cache: dict = {}
         self._ob_cache: dict = {}
+        self._uo_cache: dict = {}  # units of one axis -> whether they split two dims of a tensor
         self.invalid = 0
         self.rewrites = 0
         self._stage_options = self._stages(zero_stage, reshard_after_forward)
@@ -613,14 +616,25 @@ class SearchSpace:
         return [(a, b) for a, b in itertools.combinations(self.names, 2) if firsts[a] & firsts[b]]
 
     def _units_ok(self, units) -> bool:
+        """No axis shards two dims of one tensor. The check is per axis, on that axis's units
+        alone: cached by the units (the enumeration meets the same ones many times)."""
+        cache = self._uo_cache
+        for us in units.values():
+            k = frozenset(us)
+            if k not in cache:
+                cache[k] = self._axis_units_ok(us)
+            if not cache[k]:
+                return False
+        return True
+
+    def _axis_units_ok(self, us) -> bool:
         for key, _ in self._tensor_dims():
-            for a, us in units.items():
-                hits = 0
-                for lv in key:
-                    if any(lv[:len(u)] == u for u in us):
-                        hits += 1
-                if hits > 1:
-                    return False
+            hits = 0
+            for lv in key:
+                if any(lv[:len(u)] == u for u in us):
+                    hits += 1
+            if hits > 1:
+                return False
         return True
 
     def space(self) -> list:
@@ -833,16 +847,20 @@ class SearchSpace:
         return st["params"] + st.get("buffers", 0.0) + 2 * biggest
 
     # ------------------------------------------------------------------ communication bound
+    def _records_key(self, axis, names: frozenset) -> tuple:
+        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
+        extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
+        return ("axis-records", self.reduced is not None, self.mesh.axes[axis], names, extra1, self.train)
+
     def _axis_records(self, axis, names: frozenset):
         """Collectives on ``axis`` when it alone shards ``names`` (a one-axis rewrite): the
         rewrite decides each axis's ownership independently of the others, so a candidate
         with this axis option has at least these collectives on the axis, each moving at least
         its bytes divided by the other axes that can split the value. Cached."""
 
-        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
         size = self.mesh.axes[axis]
         extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
-        key = ("axis-records", self.reduced is not None, size, names, extra1, self.train)
+        key = self._records_key(axis, names)
         cache = self._shared
         if key in cache:
             return cache[key]
@@ -865,12 +883,17 @@ class SearchSpace:
         grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
         per_block: dict = {}
         recs = []
+        grad_recs = []  # parameter gradient all-reduces: for the comm-stream bound only
         for c in program.collectives:
             if c.phase != "forward" and not self.train or c.op == "grad_bucket" or self.context.overlapped(c):
                 continue  # gradient buckets are costed from the program's ready points
             is_param = c.node in grad
             if c.phase != "forward" and is_param:
-                continue  # a gradient sync: hidden under backward, or merged into buckets
+                # a gradient sync: hidden under backward, or merged into buckets (not blocking);
+                # it still occupies the comm stream (:meth:`stream_bound`)
+                if c.kind == "all_reduce":
+                    grad_recs.append((c, block_of_module(c.where)))
+                continue
 
             src = nodes.get(c.node)
             touch = frozenset()
@@ -892,18 +915,49 @@ class SearchSpace:
             if r is not None and steady and blk == (r.family, r.kept - 1):
                 mult = r.n_blocks - r.kept + 1
             agg[rec] = agg.get(rec, 0) + mult
-        out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg)
+        # the gradient syncs, aggregated the same way (their own steady-state check)
+        g_recs, g_block = [], {}
+        for c, blk in grad_recs:
+            src = nodes.get(c.node)
+            touch = frozenset()
+            if src is not None and src in info.dims and info.dims[src]:
+                for atoms in info.dims[src][0]:
+                    lv = info.leaves(atoms) if atoms else ()
+                    if lv:
+                        touch |= self._first_atoms.get(lv[0], frozenset())
+            rec = (c.kind, c.bytes, touch, True)
+            g_recs.append((rec, blk))
+            if blk is not None and r is not None and blk[0] == r.family:
+                g_block.setdefault(blk[1], []).append(rec)
+        g_steady = r is None or (sorted(g_block.get(r.kept - 2, []), key=repr) ==
+                                 sorted(g_block.get(r.kept - 1, []), key=repr))
+        g_agg: dict = {}
+        for rec, blk in g_recs:
+            mult = 1
+            if r is not None and g_steady and blk == (r.family, r.kept - 1):
+                mult = r.n_blocks - r.kept + 1
+            g_agg[rec] = g_agg.get(rec, 0) + mult
+        out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg, g_agg)
         cache[key] = out
         return out
 
     def comm_bound(self, cand: Candidate) -> float:
         """A lower bound on the blocking communication time of ``cand`` (seconds)."""
+        return self._comm_bound(cand)[0]
+
+    def cached_comm_bound(self, cand: Candidate) -> tuple:
+        """(bound, complete): :meth:`comm_bound` over the axes whose one-axis records are known
+        already (no rewrite). Each axis adds a sum of non-negative terms, so a part of the axes
+        bounds the whole; ``complete`` when no axis was left out."""
+        return self._comm_bound(cand, cached_only=True)
+
+    def _comm_bound(self, cand: Candidate, cached_only: bool = False) -> tuple:
         if cand.axes in self._cb_cache and cand.zero_stage < 2:
-            return self._cb_cache[cand.axes]
+            return self._cb_cache[cand.axes], True
         try:
             resolved2 = self._units(cand.layout(self.names, self.extra))
         except self._LayoutError:
-            return 0.0
+            return 0.0, True
         units2 = resolved2.units
         sets = {a: {n.rstrip(SOFT_MARK) for n in names} | {k for k, v in self.extra.items() if v and a in v}
                 for a, names in cand.axes}
@@ -912,8 +966,12 @@ class SearchSpace:
             _, _, _, axes = self._full_state(cand)
             data_axis = axes[0] if axes else None
         total = 0.0
+        complete = True
         for a, names in cand.axes:
             if self.mesh.axes[a] == 1:
+                continue
+            if cached_only and self._records_key(a, names) not in self._shared:
+                complete = False
                 continue
             got = self._axis_records(a, names)
             if got is None or got[0] != (tuple(sorted(units2[a])), tuple(sorted(resolved2.soft.get(a, ())))):
@@ -926,10 +984,66 @@ class SearchSpace:
                     if b != a and self.mesh.axes[b] > 1 and (bnames & touch or (is_param and b == data_axis)):
                         div *= self.mesh.axes[b]
                 total += mult * collective_seconds(self.cm, self.mesh, kind, (a,), nbytes / div)
+        if not complete:
+            return total, False
         if cand.zero_stage == 3 and data_axis is not None:
             total += self._zero3_gathers(cand, data_axis)
         if cand.zero_stage < 2:
             self._cb_cache[cand.axes] = total
+        return total, True
+
+    def stream_bound(self, cand: Candidate, comm: Optional[float] = None) -> float:
+        """A lower bound on the communication stream's busy time in forward and backward
+        (training only; seconds). ``simulate`` runs every collective on one stream, one after
+        another, and backward ends only when the stream is idle, so the step takes at least
+        this plus the optimizer phase, however much of it compute hides. Added to
+        :meth:`comm_bound`'s collectives (each on the stream too): the gradient syncs on the
+        data axis (one all-reduce per parameter in the one-axis program; in the plan merged into
+        buckets, joined with other axes, or with ZeRO 2/3 a reduce-scatter, whichever costs
+        less is counted) and ZeRO-3's forward gathers of every stored shard (grouped into
+        units). Grouping changes the number of latency steps, not the bytes: both are costed
+        by bandwidth alone, ``t(V) - t(0)``, additive under the alpha-beta model, and a
+        collective spanning more axes is no faster per byte than its data-axis share. Backward
+        re-gathers (ZeRO-3 with release after forward) are left out. ``comm``: the candidate's
+        :meth:`comm_bound`, if known."""
+        if not self.train:
+            return 0.0  # forward: the step does not wait for background collectives
+        total = self.comm_bound(cand) if comm is None else comm
+        _, _, storage, axes = self._full_state(cand)
+        if not axes:
+            return total
+        d = axes[0]
+        if self.mesh.axes[d] == 1:
+            return total
+
+        def bw(kind, nbytes):
+            return (collective_seconds(self.cm, self.mesh, kind, (d,), nbytes)
+                    - collective_seconds(self.cm, self.mesh, kind, (d,), 0.0))
+
+        names = dict(cand.axes)[d]
+        got = self._axis_records(d, names)
+        resolved2 = self._units(cand.layout(self.names, self.extra))
+        if got is not None and got[0] == (tuple(sorted(resolved2.units[d])), tuple(sorted(resolved2.soft.get(d, ())))):
+            sets = {a: {n.rstrip(SOFT_MARK) for n in ns} | {k for k, v in self.extra.items() if v and a in v}
+                    for a, ns in cand.axes}
+            for (kind, nbytes, touch, _), mult in got[2].items():
+                div = 1  # each other axis that may split the gradient divides it at most by its size
+                for b, bnames in sets.items():
+                    if b != d and self.mesh.axes[b] > 1 and bnames & touch:
+                        div *= self.mesh.axes[b]
+                # ZeRO 2/3 reduce-scatter a gradient stored sharded (less traffic than the all-reduce)
+                sec = bw(kind, nbytes / div)
+                total += mult * (sec if cand.zero_stage < 2 else min(sec, bw("reduce_scatter", nbytes / div)))
+        if cand.zero_stage == 3 and self.units != "param":  # "param" units: in comm_bound already
+            in_places, places, _, _ = self._full_state(cand)
+            i_axis = self.mesh.names.index(d)
+            nbytes = 0.0
+            for inp, place, cnt in zip(self._st_inputs, in_places, self._st_counts):
+                if storage.get(inp.name) is None or not isinstance(places[inp.name][i_axis], Replicate):
+                    continue
+                v = self.vals[inp.name]
+                nbytes += cnt * _local_numel(v.shape, place, self.mesh) * v.element_size()
+            total += bw("all_gather", nbytes)
         return total
 
     def _zero3_gathers(self, cand: Candidate, axis) -> float:
@@ -1021,7 +1135,9 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     Every candidate gets a cheap lower bound (its compute, each op split as far as the axes
     that can touch it split it); candidates are taken in bound order, and before one is
     evaluated its bound is refined with the exact optimizer phase and the blocking
-    communication it cannot avoid (one-axis rewrites, cached per axis option). The search
+    communication it cannot avoid (one-axis rewrites, cached per axis option; the axes already
+    known first), and in training with the communication stream's busy time
+    (:meth:`SearchSpace.stream_bound`), whichever is larger. The search
     stops when the next bound reaches the cost of the ``keep``-th best plan found (here or in
     ``incumbent``, costs found on other meshes), so the best ``keep`` are exactly the best of the
     space. Candidates over ``memory_limit`` (state plus least activations, then the evaluated
@@ -1031,7 +1147,9 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     gc_was = gc.isenabled()
     gc.disable()  # the rewrites allocate many short-lived cyclic objects; collect once at the end
     try:
-        with warnings.catch_warnings():
+        # The search reads the rewritten graphs, never runs them: their GraphModules generate
+        # and compile Python code only if called (a third of a rewrite's time otherwise).
+        with warnings.catch_warnings(), _use_lazy_graph_module(True):
             # ops without a rule warn once, when the chosen plan is built, not per candidate
             warnings.simplefilter("ignore", UnsupportedOpWarning)
             return _search(space, keep, progress, verbose, refine, incumbent, t0)
@@ -1050,7 +1168,8 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
             if limit is not None and space.memory_bound(c) > limit:
                 infeasible += 1
                 continue
-            heap.append((space.compute_bound(c), k, c, 2 if not refine else 0))
+            cb = space.compute_bound(c)
+            heap.append((cb, k, c, 3 if not refine else 0, cb))
         except space._LayoutError:
             continue
     heapq.heapify(heap)
@@ -1063,16 +1182,28 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
     last_print = t0
     notes = []
     while heap:
-        lb, k, c, level = heapq.heappop(heap)
+        lb, k, c, level, base = heapq.heappop(heap)
         costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
         if len(costs) >= keep and lb >= costs[keep - 1]:
             break  # nothing left can enter the best ``keep`` (of this and earlier meshes)
-        if level < 2:
-            # refine in two steps, cheapest first: the exact optimizer phase, then the
-            # communication the candidate cannot avoid (one-axis rewrites)
+        if level < 3:
+            # refine in steps, cheapest first: the exact optimizer phase (``base`` = compute +
+            # optimizer from then on), the communication of the axes whose one-axis records are
+            # known, then all the communication the candidate cannot avoid (one-axis rewrites
+            # for the rest: skipped where the known axes already bound the candidate out)
             try:
-                more = space.optimizer_bound(c) if level == 0 else space.comm_bound(c)
-                heapq.heappush(heap, (lb + more, k, c, level + 1))
+                if level == 0:
+                    base = lb + space.optimizer_bound(c)
+                    heapq.heappush(heap, (base, k, c, 1, base))
+                    continue
+                cb, complete = space.cached_comm_bound(c) if level == 1 else (space.comm_bound(c), True)
+                if not complete:
+                    heapq.heappush(heap, (base + cb, k, c, 2, base))
+                    continue
+                # compute, blocking communication and optimizer in sequence; or, in training,
+                # the whole comm stream's forward and backward work, then the optimizer
+                nxt = max(base + cb, space.optimizer_bound(c) + space.stream_bound(c, cb))
+                heapq.heappush(heap, (nxt, k, c, 3, base))
             except space._LayoutError:  # e.g. a ZeRO stage without a data axis
                 invalid += 1
             continue

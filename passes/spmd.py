@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
 from autoshard.runtime import collectives as C
@@ -475,7 +476,9 @@ class _Rewriter:
             else:
                 raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
         bucketed = self.take_bucketed()
-        gm = fx.GraphModule(torch.nn.Module(), self.g)
+        # _make_graph_module: a plain GraphModule, or under the layout search's
+        # _use_lazy_graph_module(True) one that generates its code only when first run
+        gm = _make_graph_module(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
                        self.collectives, self.fallbacks, placeholders, frozenset(self.reshard_tags),
                        dict(self.storage), use_places, bucketed)
