@@ -142,7 +142,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         # the program is captured in the parameter dtype: every value, gather and byte count in it
         model, args, kwargs = cast_for_precision(model, args, kwargs, param_dtype)
     timings = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if pipe is not None:
         pp = mesh.axes[pipe.axis] * (pipe.virtual or 1)
         pipe.microbatches = pipe.microbatches or default_microbatches(args, kwargs, pp)
@@ -151,6 +151,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     else:
         cap = captured if captured is not None else capture(model, args, kwargs)
     timings["capture"] = time.perf_counter() - t0
+    timings["capture_cpu"] = time.process_time() - c0  # this process's CPU time (the machine may be shared)
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
 
     t = time.perf_counter()
@@ -188,6 +189,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                                       precision=precision, context=context,
                                       strict=strict, cuts=(pipeline or {}).get("cuts"))
                 plan.timings["capture"] += timings["capture"]
+                plan.timings["capture_cpu"] += timings["capture_cpu"]
                 plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
                 plan.timings["dims"] += timings["dims"]
                 return plan
