@@ -53,6 +53,8 @@ def run(case: str, a) -> None:
     t = plan.timings
     d = plan.pipeline_decision
     print(f"chosen: {plan.mesh}" + (f", {plan.schedule_name}, {plan.microbatches} microbatches" if d.pp > 1 else ""))
+    if getattr(plan.search, "best", None) is not None:
+        print(f"layout: {plan.search.best.candidate.describe()}")
     print(d.explain())
     # wall time counts waiting for a shared CPU; this process's CPU time does not
     print(f"torch.export {t['capture']:.2f} s wall, {t['capture_cpu']:.2f} s CPU (twice when pipelined: whole batch "
