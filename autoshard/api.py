@@ -39,7 +39,7 @@ from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.param_names import name_parameter_dims
-from autoshard.passes.spmd import LayoutError, resolve_layout
+from autoshard.passes.spmd import LayoutError, lazy_programs, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
 from autoshard.cost.context import choose_variant
 from autoshard.cost.checkpoint import checkpointed_program_cost
@@ -190,6 +190,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                                       precision=precision, context=context,
                                       strict=strict, cuts=(pipeline or {}).get("cuts"))
                 plan.timings["capture"] += timings["capture"]
+                plan.timings["capture_cpu"] += timings["capture_cpu"]
                 plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
                 plan.timings["dims"] += timings["dims"]
                 return plan
@@ -227,9 +228,15 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         cm = cost_model or _cost_model(hardware)
         vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
         cost_fn = checkpointed_program_cost if use_checkpoint else program_cost
+
+        def lazy_build(policy):  # Python code is generated for the chosen program only
+            with lazy_programs():
+                return build(policy)
+
         units, (program, axes), _ = choose_units(
-            build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
-                                     data_axes=b[1]), memory_limit)
+            lazy_build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
+                                          data_axes=b[1]), memory_limit)
+        program.graph_module = torch.fx.GraphModule(program.graph_module, program.graph_module.graph)
     else:
         # (pipelined plans gather per parameter: a stage cut does not split units yet)
         units = check_policy(units) if units is not None else (

@@ -53,15 +53,14 @@ from typing import Optional
 
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from autoshard.mesh import Mesh, factorizations
 from autoshard.ownership import R, Replicate, data_axes
 from autoshard.passes.dims import infer_dims, module_of
 from autoshard.passes.program import build_program, choose_storage
 from autoshard.passes.soft import SOFT_MARK, is_soft, soft_layout_value
-from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_placements, requires_grad_nodes,
-                                  resolve_layout, rewrite)
+from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_placements, lazy_programs,
+                                  requires_grad_nodes, resolve_layout, rewrite)
 
 from .checkpoint import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
@@ -646,10 +645,11 @@ class SearchSpace:
         """The per-rank program, built exactly as ``autoshard.autoshard`` builds it."""
 
         self.rewrites += 1
-        return build_program(graph, inputs, info, resolve_layout(info, layout, self.mesh), self.mesh,
-                             train=self.train, zero_stage=stage, reshard=bool(reshard),
-                             bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display, units=self.units,
-                             context=self.context.options(self.mesh))
+        with lazy_programs():  # only the graph is read: no Python code generated
+            return build_program(graph, inputs, info, resolve_layout(info, layout, self.mesh), self.mesh,
+                                 train=self.train, zero_stage=stage, reshard=bool(reshard),
+                                 bucket_mb=self.bucket_bytes / 2 ** 20, display=self.display, units=self.units,
+                                 context=self.context.options(self.mesh))
 
     def _bucketing(self, stage, axes) -> bool:
         return bool(self.train and stage < 2 and axes and self.bucket_bytes)
@@ -874,8 +874,9 @@ class SearchSpace:
             resolved = resolve_layout(self._named_red, layout1, mesh1)
             grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
             self.rewrites += 1
-            program = rewrite(graph, info, resolved, mesh1, grad, self.display,
-                              **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
+            with lazy_programs():
+                program = rewrite(graph, info, resolved, mesh1, grad, self.display,
+                                  **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
         except self._LayoutError:
             cache[key] = None
             return None
@@ -1149,7 +1150,7 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     try:
         # The search reads the rewritten graphs, never runs them: their GraphModules generate
         # and compile Python code only if called (a third of a rewrite's time otherwise).
-        with warnings.catch_warnings(), _use_lazy_graph_module(True):
+        with warnings.catch_warnings(), lazy_programs():
             # ops without a rule warn once, when the chosen plan is built, not per candidate
             warnings.simplefilter("ignore", UnsupportedOpWarning)
             return _search(space, keep, progress, verbose, refine, incumbent, t0)

@@ -36,6 +36,9 @@ class DimTable:
         self.parent: list[int] = []
         self.origin: list[str] = []
         self.children: dict[int, list[int]] = {}
+        # leaf_tuple's answers; cleared when a union or refinement changes them. The rewrite and
+        # the search ask for the same dims' leaves millions of times once inference is done.
+        self._leaf_memo: dict = {}
 
     def new(self, size: int, origin: str) -> int:
         self.size.append(int(size))
@@ -62,7 +65,16 @@ class DimTable:
                 out.append(r)
         return out
 
+    def leaf_tuple(self, atoms) -> tuple:
+        """``tuple(leaves(atoms))``, memoized."""
+        key = tuple(atoms)
+        lv = self._leaf_memo.get(key)
+        if lv is None:
+            lv = self._leaf_memo[key] = tuple(self.leaves(key))
+        return lv
+
     def _refine(self, a: int, first: int) -> list[int]:
+        self._leaf_memo.clear()
         kids = [self.new(first, self.origin[a] + "/0"), self.new(self.size[a] // first, self.origin[a] + "/1")]
         self.children[a] = kids
         return kids
@@ -71,6 +83,7 @@ class DimTable:
         a, b = self.find(a), self.find(b)
         if a == b:
             return
+        self._leaf_memo.clear()
         if b < a:  # keep the older atom as the root: its origin names the logical dim
             a, b = b, a
         ka, kb = self.children.get(a), self.children.get(b)
@@ -147,7 +160,7 @@ class DimInfo:
         return self.dims[node][out]
 
     def leaves(self, atoms) -> tuple:
-        return tuple(self.table.leaves(atoms))
+        return self.table.leaf_tuple(atoms)
 
     def atom_name(self, a: int) -> str:
         r = self.table.find(a)

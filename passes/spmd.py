@@ -25,6 +25,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import warnings
@@ -33,7 +34,14 @@ from typing import Optional
 
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _make_graph_module
+
+try:  # GraphModules that generate their Python code on first run or print (torch >= 2.3)
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+except ImportError:  # pragma: no cover
+    _make_graph_module = fx.GraphModule
+
+    def _use_lazy_graph_module(should_use):
+        return contextlib.nullcontext()
 
 from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
 from autoshard.runtime import collectives as C
@@ -476,8 +484,7 @@ class _Rewriter:
             else:
                 raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
         bucketed = self.take_bucketed()
-        # _make_graph_module: a plain GraphModule, or under the layout search's
-        # _use_lazy_graph_module(True) one that generates its code only when first run
+        # (inside lazy_programs() the Python code is generated only if the program is run or printed)
         gm = _make_graph_module(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
                        self.collectives, self.fallbacks, placeholders, frozenset(self.reshard_tags),
@@ -839,6 +846,13 @@ def input_placements(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, fixed
     r = _Rewriter(graph, info, layout, mesh, set(), {}, {})
     fixed = fixed or {}
     return {n.name: fixed.get(n.name) or r.desired(n) for n in graph.nodes if n.op == "placeholder" and is_tensor_node(n)}
+
+
+def lazy_programs():
+    """Context in which rewritten programs skip generating and compiling their Python code until
+    they are run or printed: the layout search only reads their graphs, and compiling a graph of
+    thousands of nodes costs more than rewriting it."""
+    return _use_lazy_graph_module(True)
 
 
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
