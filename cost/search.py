@@ -654,8 +654,8 @@ class SearchSpace:
     def _bucketing(self, stage, axes) -> bool:
         return bool(self.train and stage < 2 and axes and self.bucket_bytes)
 
-    def _full_state(self, cand: Candidate):
-        """Placements, storage and data axes of the whole graph (no rewrite needed)."""
+    def _placed(self, cand: Candidate):
+        """(input placements, data axes) of the candidate's layout. Cached by its axes."""
         if cand.axes not in self._places:
             layout = cand.layout(self.names, self.extra)
             r = self.reduced
@@ -670,6 +670,11 @@ class SearchSpace:
         places, axes = self._places[cand.axes]
         if cand.zero_stage and not axes:
             raise self._LayoutError("zero_stage needs a data axis (an axis splitting the batch)")
+        return places, axes
+
+    def _full_state(self, cand: Candidate):
+        """Placements, storage and data axes of the whole graph (no rewrite needed)."""
+        places, axes = self._placed(cand)
         storage = {}
         if cand.zero_stage >= 2:
             params = {n: self.vals[n] for n in self._st_grad}
@@ -834,11 +839,34 @@ class SearchSpace:
             self._lb_cache[key] = (total, saved, biggest)
         return self._lb_cache[key]
 
+    def _held_key(self, cand: Candidate) -> tuple:
+        """What the state and optimizer functions read of a candidate: the stage, the data
+        axis the stage uses, and the placements of the parameters, buffers and constants
+        (the storage follows from them). Raises LayoutError as :meth:`_full_state` does."""
+        places, axes = self._placed(cand)
+        if not hasattr(self, "_held_names"):
+            self._held_names = [i.name for i in self._st_inputs if i.kind in ("parameter", "buffer", "constant")]
+            self._mb_state, self._ob_shared = {}, {}
+        return (cand.zero_stage, cand.reshard if cand.zero_stage == 3 else None, axes[0] if cand.zero_stage else None,
+                tuple(places.get(n) for n in self._held_names))
+
+    def _bound_state(self, cand: Candidate) -> dict:
+        """:meth:`state`'s bytes for the memory bound. ``state_memory`` reads only the
+        placements of the parameters, buffers and constants, the stage and the data axis, so
+        candidates differing in activation names (batch, seq, soft entries) share one result,
+        and the storage choice is skipped for them. A cache of its own: ``state``'s dicts go on
+        to ``simulate``."""
+        key = self._held_key(cand)
+        st = self._mb_state.get(key)
+        if st is None:
+            st = self._mb_state[key] = self.state(cand)[0]
+        return st
+
     def memory_bound(self, cand: Candidate) -> float:
         """A lower bound on the candidate's peak bytes per rank: its exact persistent state
         plus the activations its ops must at least produce (each split as far as its axes can
         split it)."""
-        st, _, _ = self.state(cand)
+        st = self._bound_state(cand)
         _, saved, biggest = self._bounds(cand)
         if self.train and self.checkpoint is not False:
             return st["total"]  # checkpointing may drop most activations: state alone bounds the peak
@@ -1072,13 +1100,17 @@ class SearchSpace:
             return 0.0
         if cand in self._ob_cache:
             return self._ob_cache[cand]
+        key = self._held_key(cand)  # candidates placing their parameters alike: one time
+        if key in self._ob_shared:
+            self._ob_cache[cand] = self._ob_shared[key]
+            return self._ob_cache[cand]
         st, in_places, kw = self.state(cand)
         elems, per, n = optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
         dev = self.cm.hardware.device
         t = (elems * per) / (dev.mem_bandwidth * dev.mem_efficiency) + n * dev.op_overhead
         for kind, axes, nbytes in optimizer_collectives(self._st_inputs, self.vals, in_places, self.mesh, **kw):
             t += collective_seconds(self.cm, self.mesh, kind, axes, nbytes)
-        self._ob_cache[cand] = t
+        self._ob_cache[cand] = self._ob_shared[key] = t
         return t
 
 
