@@ -13,7 +13,10 @@ embedding on the first stage, norm, head and loss on the last), the same global 
 microbatch count, forward + backward + AdamW. The two are timed alternately in the same
 processes (``--rounds`` rounds of ``--steps`` steps after a warm-up), so background load hits
 both alike; a round is rank 0's wall time between two barriers; the ratio is autoshard's median
-round over PyTorch's (below 1: autoshard faster).
+round over PyTorch's (below 1: autoshard faster). *CPU* is the processes' CPU seconds per step
+(``time.process_time``, all threads, summed over the 4 ranks; median round): with 4 processes
+on fewer cores a step's wall time follows the CPU the ranks need, and CPU time is far less
+disturbed by other load than wall time, so its ratio is the steadier comparison.
 
 Bubble: *predicted* is ``plan.bubble`` (the ``cpu-gloo`` preset's stage and transfer times run
 through the schedule); *measured* is ``1 - busy / (4 * span)`` of autoshard's last step, where ``span``
@@ -148,18 +151,19 @@ def worker(rank, world, cfg):
 
             def timed(fn, steps):
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     fn()
+                c = time.process_time() - c
                 dist.barrier()
-                return time.perf_counter() - t
+                return time.perf_counter() - t, c
 
             for fn in (ours, theirs):  # warm-up
                 timed(fn, 1)
             mine_t, theirs_t = [], []
             for _ in range(cfg.rounds):
-                mine_t.append(timed(ours, cfg.steps) / cfg.steps)
-                theirs_t.append(timed(theirs, cfg.steps) / cfg.steps)
+                mine_t.append([x / cfg.steps for x in timed(ours, cfg.steps)])
+                theirs_t.append([x / cfg.steps for x in timed(theirs, cfg.steps)])
             waits.clear()
             ours()
             rows = pipe.measured()
@@ -190,15 +194,19 @@ def main(argv=None):
           f"batch={cfg.batch} M={cfg.microbatches}; {cfg.rounds} rounds x {cfg.steps} steps; "
           f"load average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, after "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {time.time() - t:.0f} s")
-    print(f"{'schedule':<12}{'bubble pred':>12}{'bubble meas':>12}{'autoshard s':>13}{'torch s':>10}{'ratio':>8}")
+    print(f"{'schedule':<12}{'bubble pred':>12}{'bubble meas':>12}{'autoshard s':>13}{'torch s':>10}{'ratio':>8}"
+          f"{'autoshard CPU s':>17}{'torch CPU s':>13}{'CPU ratio':>11}")
     for name in cfg.schedules:
         per = [r[name] for r in results]
         rows = [row for p in per for row in p["rows"]]
         span = max(e for _, _, e in rows) - min(s for _, s, _ in rows)
         measured = 1 - sum(p["busy"] for p in per) / (PP * span)
-        ours, theirs = statistics.median(per[0]["autoshard"]), statistics.median(per[0]["torch"])
+        ours, theirs = (statistics.median(w for w, _ in per[0][k]) for k in ("autoshard", "torch"))
+        # per round, the CPU of all ranks together
+        cpu_ours, cpu_theirs = (statistics.median(sum(p[k][i][1] for p in per) for i in range(cfg.rounds))
+                                for k in ("autoshard", "torch"))
         print(f"{name:<12}{per[0]['predicted']:>12.3f}{measured:>12.3f}{ours:>13.4f}{theirs:>10.4f}"
-              f"{ours / theirs:>8.2f}")
+              f"{ours / theirs:>8.2f}{cpu_ours:>17.4f}{cpu_theirs:>13.4f}{cpu_ours / cpu_theirs:>11.2f}")
 
 
 if __name__ == "__main__":
