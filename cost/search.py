@@ -880,6 +880,35 @@ class SearchSpace:
         extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
         return ("axis-records", self.reduced is not None, self.mesh.axes[axis], names, extra1, self.train)
 
+    def _touched(self, src, info) -> frozenset:
+        """First atoms of the dims of ``src``'s value (what a collective on it touches)."""
+        touch = frozenset()
+        if src is not None and src in info.dims and info.dims[src]:
+            for atoms in info.dims[src][0]:
+                lv = info.leaves(atoms) if atoms else ()
+                if lv:
+                    touch |= self._first_atoms.get(lv[0], frozenset())
+        return touch
+
+    @staticmethod
+    def _aggregate(recs, r) -> dict:
+        """{record: count}: with repeated blocks solved once (``r``), the last kept block's
+        records stand for every block it replaces, if the last two kept blocks agree."""
+        per_block: dict = {}
+        if r is not None:
+            for rec, blk in recs:
+                if blk is not None and blk[0] == r.family:
+                    per_block.setdefault(blk[1], []).append(rec)
+        steady = r is None or (sorted(per_block.get(r.kept - 2, []), key=repr) ==
+                               sorted(per_block.get(r.kept - 1, []), key=repr))
+        agg: dict = {}
+        for rec, blk in recs:
+            mult = 1
+            if r is not None and steady and blk == (r.family, r.kept - 1):
+                mult = r.n_blocks - r.kept + 1
+            agg[rec] = agg.get(rec, 0) + mult
+        return agg
+
     def _axis_records(self, axis, names: frozenset):
         """Collectives on ``axis`` when it alone shards ``names`` (a one-axis rewrite): the
         rewrite decides each axis's ownership independently of the others, so a candidate
@@ -910,7 +939,6 @@ class SearchSpace:
             return None
         nodes = {n.name: n for n in graph.nodes}
         grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
-        per_block: dict = {}
         recs = []
         grad_recs = []  # parameter gradient all-reduces: for the comm-stream bound only
         for c in program.collectives:
@@ -924,48 +952,12 @@ class SearchSpace:
                     grad_recs.append((c, block_of_module(c.where)))
                 continue
 
-            src = nodes.get(c.node)
-            touch = frozenset()
-            if src is not None and src in info.dims and info.dims[src]:
-                for atoms in info.dims[src][0]:
-                    lv = info.leaves(atoms) if atoms else ()
-                    if lv:
-                        touch |= self._first_atoms.get(lv[0], frozenset())
             blk = block_of_module(c.where)
-            rec = (c.kind, c.bytes, touch, is_param)
-            recs.append((rec, blk))
-            if blk is not None and r is not None and blk[0] == r.family:
-                per_block.setdefault(blk[1], []).append(rec)
-        steady = r is None or (sorted(per_block.get(r.kept - 2, []), key=repr) ==
-                               sorted(per_block.get(r.kept - 1, []), key=repr))
-        agg: dict = {}
-        for rec, blk in recs:
-            mult = 1
-            if r is not None and steady and blk == (r.family, r.kept - 1):
-                mult = r.n_blocks - r.kept + 1
-            agg[rec] = agg.get(rec, 0) + mult
+            recs.append(((c.kind, c.bytes, self._touched(nodes.get(c.node), info), is_param), blk))
+        agg = self._aggregate(recs, r)
         # the gradient syncs, aggregated the same way (their own steady-state check)
-        g_recs, g_block = [], {}
-        for c, blk in grad_recs:
-            src = nodes.get(c.node)
-            touch = frozenset()
-            if src is not None and src in info.dims and info.dims[src]:
-                for atoms in info.dims[src][0]:
-                    lv = info.leaves(atoms) if atoms else ()
-                    if lv:
-                        touch |= self._first_atoms.get(lv[0], frozenset())
-            rec = (c.kind, c.bytes, touch, True)
-            g_recs.append((rec, blk))
-            if blk is not None and r is not None and blk[0] == r.family:
-                g_block.setdefault(blk[1], []).append(rec)
-        g_steady = r is None or (sorted(g_block.get(r.kept - 2, []), key=repr) ==
-                                 sorted(g_block.get(r.kept - 1, []), key=repr))
-        g_agg: dict = {}
-        for rec, blk in g_recs:
-            mult = 1
-            if r is not None and g_steady and blk == (r.family, r.kept - 1):
-                mult = r.n_blocks - r.kept + 1
-            g_agg[rec] = g_agg.get(rec, 0) + mult
+        g_agg = self._aggregate([((c.kind, c.bytes, self._touched(nodes.get(c.node), info), True), blk)
+                                 for c, blk in grad_recs], r)
         out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg, g_agg)
         cache[key] = out
         return out
