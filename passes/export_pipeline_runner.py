@@ -135,8 +135,7 @@ class PipelineProgram:
         self.opt = None
 
     def make_optimizer(self, kind: str, lr: float):
-        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
-        self.opt = ShardedOptimizer(self.local, lambda params: cls(params, lr=lr))
+        self.opt = ShardedOptimizer.by_name(self.local, kind, lr)
 
     def step(self):
         self.opt.step()

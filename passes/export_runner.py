@@ -38,7 +38,7 @@ from autoshard.mesh import Mesh
 from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
-from autoshard.runtime.local import UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime.local import OPTIMIZERS, UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
 from autoshard.runtime import checkpoint as ckpt
 from autoshard.runtime.clip import clip_grad_norm_
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
@@ -429,8 +429,7 @@ class RankProgram:
         return self.local.run_flat(user)
 
     def make_optimizer(self, kind: str, lr: float):
-        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
-        self.opt = ShardedOptimizer(self.local, lambda params: cls(params, lr=lr))
+        self.opt = ShardedOptimizer.by_name(self.local, kind, lr)
 
     def step(self):
         self.opt.step()
@@ -508,7 +507,7 @@ def _parser():
                    help="compare outputs (and gradients and losses with --steps) with the unsharded model")
     p.add_argument("--steps", type=int, default=0, help="training steps (forward, backward, optimizer); "
                                                         "default: one forward only")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
     p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")

@@ -208,6 +208,8 @@ class LocalModule(nn.Module):
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# the inner optimizers an exported run.py can name (``--optimizer``)
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
 class ShardedOptimizer:
@@ -221,6 +223,17 @@ class ShardedOptimizer:
         opt = ShardedOptimizer(local, lambda params: torch.optim.AdamW(params, lr=1e-3))
         local(*batch).backward(); opt.step(); opt.zero_grad()
     """
+
+    @classmethod
+    def by_name(cls, local: LocalModule, kind: str, lr: float) -> "ShardedOptimizer":
+        """The optimizer named ``kind`` (a key of :data:`OPTIMIZERS`) with learning rate ``lr``.
+
+        Example::
+
+            opt = ShardedOptimizer.by_name(local, "adamw", 1e-3)
+        """
+        inner = OPTIMIZERS[kind]
+        return cls(local, lambda params: inner(params, lr=lr))
 
     def __init__(self, local: LocalModule, factory):
         self.local = local
