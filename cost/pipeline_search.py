@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,7 +42,7 @@ from typing import Optional
 from autoshard.mesh import Mesh
 from autoshard.runtime.schedules import make_schedule
 
-from .model import resolve_cost_model
+from .model import block_of_module, resolve_cost_model
 from .pipeline import schedule_timeline
 from .search import find_blocks, plan_search
 
@@ -131,20 +130,19 @@ def stage_fraction(inputs, vals: dict, pp: int, graph=None) -> float:
     """
     blocks, before, after = {}, 0.0, 0.0
     params = [i for i in inputs if i.kind == "parameter" and hasattr(vals.get(i.name), "numel")]
-    pat = re.compile(r"^(.*?)\.(\d+)\.")
     fams: dict = {}
     for i in params:
-        m = pat.match(i.target)
-        if m:
-            fams[m.group(1)] = fams.get(m.group(1), 0) + 1
+        blk = block_of_module(i.target)
+        if blk:
+            fams[blk[0]] = fams.get(blk[0], 0) + 1
     fam = max(fams, key=fams.get) if fams else None
     seen_block = False
     for i in params:
         v = vals[i.name]
         nbytes = v.numel() * v.element_size()
-        m = pat.match(i.target)
-        if m and m.group(1) == fam:
-            blocks[int(m.group(2))] = blocks.get(int(m.group(2)), 0.0) + nbytes
+        blk = block_of_module(i.target)
+        if blk and blk[0] == fam:
+            blocks[blk[1]] = blocks.get(blk[1], 0.0) + nbytes
             seen_block = True
         elif not seen_block:
             before += nbytes
