@@ -43,7 +43,7 @@ from autoshard.mesh import Mesh
 from autoshard.runtime.schedules import make_schedule
 
 from .model import block_of_module, resolve_cost_model
-from .pipeline import schedule_timeline
+from .pipeline import bubble, schedule_timeline
 from .search import find_blocks, plan_search
 
 __all__ = ["PipelineEstimate", "PipelineDecision", "choose_pipeline", "stage_fraction", "in_flight",
@@ -236,17 +236,13 @@ def estimate_pipeline(inner, full_mesh: dict, axis: str, cm, *, pp: int, schedul
     hop = link.latency + nbytes / link.effective_bandwidth if nbytes else 0.0
     acts = make_schedule(schedule, pp, M, virtual)
     tl = schedule_timeline(acts, times, hop)
-    ends = [e for row in tl.values() for _, _, e in row]
-    starts = [s for row in tl.values() for _, s, _ in row]
-    makespan = max(ends) - min(starts)
-    busy = sum(e - s for row in tl.values() for _, s, e in row)
-    bubble = 1.0 - busy / (len(tl) * makespan) if makespan else 0.0
+    makespan = max(e for row in tl.values() for _, _, e in row) - min(s for row in tl.values() for _, s, _ in row)
     state = mem["persistent"] * fraction
     act = mem["activations"] * fraction / M * in_flight(schedule, pp, M, virtual)
     # a collective's buffer holds one microbatch's values (gradient buckets are small); gathered
     # ZeRO-3 parameters are kept as the inner plan holds them (one block at a time, or all)
     peak = state + act + mem.get("gathered_params", 0.0) + mem.get("comm_buffers", 0.0) / M
-    return PipelineEstimate(pp, schedule, M, virtual, fraction, state, act, peak, makespan + opt, bubble, hop, inner)
+    return PipelineEstimate(pp, schedule, M, virtual, fraction, state, act, peak, makespan + opt, bubble(tl), hop, inner)
 
 
 def _microbatch_options(batch: int, batch_split: int, pp: int) -> list:
