@@ -201,3 +201,18 @@ def test_forward_only_plans_do_not_list_backward_collectives_and_errors_name_inf
         plan_for("llama", model, kwargs, {"bogus": "tp"}, {"tp": 2}, captured=fwd.captured)
     example = re.search(r"inferred names such as '([^']+)'", str(e.value)).group(1)
     assert ":" in example and example not in {"batch", "seq", "hidden", "heads", "kv_heads", "ffn", "vocab"}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_context_and_sequence_parallel_on_hugging_face_decoders(built, name):
+    """Ring attention (seq on cp) and Megatron sequence parallelism (seq soft on tp) on the
+    Hugging Face decoders themselves, not only our Llama: exact loss, logits and gradients."""
+    model, kwargs, loss, logits, grads = built(name)
+    cp = autoshard.autoshard(model, (), kwargs, mesh=Mesh({"cp": 2}), dims=ARCHS[name].all_dims, layout={"seq": "cp"},
+                            context={"variant": "ring"})  # the cost model picks the gather at this length
+    assert any(c.op == "ring_attention" for c in cp.collectives)
+    assert_exact(cp, kwargs, loss, logits, grads)
+    sp = autoshard.autoshard(model, (), kwargs, mesh=Mesh({"tp": 2}), dims=ARCHS[name].all_dims,
+                             layout={"heads": "tp", "kv_heads": "tp", "ffn": "tp", "seq": "tp?"})
+    assert forward(sp, "reduce_scatter", "tp") and not forward(sp, "all_reduce", "tp")
+    assert_exact(sp, kwargs, loss, logits, grads)
