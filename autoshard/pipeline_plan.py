@@ -33,8 +33,9 @@ from .runtime.context import current
 from .runtime.local import ShardedOptimizer
 from .runtime.pipeline import PipelineRank, PipelineSpec, split_microbatches
 from .runtime.schedules import SCHEDULES, make_schedule
+from .runtime.timeline import chrome_trace, measured_trace
 from autoshard.cost.model import resolve_cost_model
-from autoshard.cost.pipeline import bubble, choose_cuts, chrome_trace, schedule_timeline, stage_seconds, unit_seconds
+from autoshard.cost.pipeline import bubble, choose_cuts, schedule_timeline, stage_seconds, unit_seconds
 from autoshard.passes.pipeline import cut_candidates, cut_profile, even_cuts, split_program
 from autoshard.passes.spmd import LayoutError
 
@@ -286,8 +287,7 @@ class PipelinePlan(Plan):
             if not rows:
                 raise ValueError("plan.timeline(measured=True) needs a step first: run plan.simulate_grads or "
                                  "simulate_train, or pass {rank: pipe.measured()} from a real run")
-            names = {r: f"rank {r} ({self.axis} {self.mesh.coords(r)[self.axis]})" for r in rows}
-            path.write_text(json.dumps(chrome_trace(rows, names)))
+            path.write_text(json.dumps(measured_trace(rows, self.mesh, self.axis)))
             written["measured"] = str(path)
         return written
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from autoshard.runtime.schedules import Action, dependencies, stage_rank
+from autoshard.runtime.timeline import chrome_trace  # noqa: F401 - the trace format, re-exported
 
 from .model import op_seconds
 
@@ -131,20 +132,6 @@ def stage_seconds(stage_graph, cm) -> float:
         outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if hasattr(v, "shape")]
         total += op_seconds(cm, n.target, n.args, n.kwargs, outs)
     return total
-
-
-def chrome_trace(rows: dict, names: dict | None = None) -> dict:
-    """A Chrome / Perfetto trace (``{"traceEvents": [...]}``) of ``{row: [(action, start s,
-    end s)]}``: one thread per row (a rank), one complete event per action, in row order."""
-    events = []
-    t0 = min((s for items in rows.values() for _, s, _ in items), default=0.0)
-    for row, items in sorted(rows.items()):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": row,
-                       "args": {"name": (names or {}).get(row, f"rank {row}")}})
-        for a, s, e in items:
-            events.append({"name": str(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": row, "ts": (s - t0) * 1e6,
-                           "dur": (e - s) * 1e6, "args": {"kind": a.kind, "mb": a.mb, "stage": a.stage}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 # ---------------------------------------------------------------------------- cut search
