@@ -35,6 +35,8 @@ from typing import Callable, Optional
 import torch
 
 from ..ownership import local_piece
+from .checkpoint import stored_placement
+from .clip import clip_grad_norm_, counted_here
 from .collectives import recv, reshard_after_forward, send, send_gradient
 from .context import current, trace_phase
 from .local import LocalModule, RankSpec
@@ -185,6 +187,22 @@ class PipelineRank:
         (``time.time()``), comparable across the processes of one machine: what
         ``plan.timeline(path, measured={rank: pipe.measured(), ...})`` takes."""
         return [(a, self.started + s, self.started + e) for a, s, e in self.timeline]
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether this rank's gradient of parameter ``name`` counts in the global gradient norm:
+        as :func:`~.clip.counted_here` with the pipeline axis apart (each pipeline rank holds
+        other stages), and a tied parameter only on the first pipeline rank holding it."""
+        slot = next(s for s in self.local.spec.slots if s.name == name)
+        tied = self.spec.tied.get(name)
+        if tied and self.coord != min(stage_rank(s, self.pp) for s in tied):
+            return False
+        return counted_here(stored_placement(slot, self.mesh), self.mesh, self.rank, apart=(self.spec.axis,))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip this step's gradients of every stage to the global 2-norm ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (after :meth:`step`, on every
+        rank); returns the norm before clipping."""
+        return clip_grad_norm_(self.local, max_norm, counted=self.counts_in_norm)
 
     @contextlib.contextmanager
     def _deferred(self, ctx, defer: bool):
