@@ -628,11 +628,9 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     ref = torch.load(path / doc["reference"]["file"], weights_only=True) if check else None
 
     def rank_fn(rank):
+        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), steps > 0)
         if doc.get("pipeline"):
-            PR = R._pipeline()
-            rp = PR.PipelineProgram(doc, mesh, rank, program, weights, torch.device("cpu"), steps > 0, R)
-            return PR.rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref, R=R)
-        rp = R.RankProgram(doc, mesh, rank, program, weights, torch.device("cpu"), train=steps > 0)
+            return R._pipeline().rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref, R=R)
         return R.rank_loop(rp, user, steps=steps, optimizer=optimizer, lr=lr, ref=ref)
 
     return run_simulated(mesh, rank_fn)
@@ -640,9 +638,9 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
 
 def simulate_run(path, *argv: str) -> list:
     """Run an export's training loop (``run.py --steps N --data ... --ckpt ...``, the same
-    options) on a simulated mesh: ranks as threads of this process, loading program, weights,
-    data and checkpoints as run.py does. Returns one dict per rank (``losses``, ``grad_norms``,
-    ``lrs``); rank 0's progress lines are in ``lines``.
+    options, ``--timeline`` of a pipelined export too) on a simulated mesh: ranks as threads of
+    this process, loading program, weights, data and checkpoints as run.py does. Returns one
+    dict per rank (``losses``, ``grad_norms``, ``lrs``); rank 0's progress lines are in ``lines``.
 
     Example::
 
@@ -663,8 +661,11 @@ def simulate_run(path, *argv: str) -> list:
     lines: list = []
 
     def rank_fn(rank):
-        rp = R.RankProgram(doc, mesh, rank, program, weights, torch.device("cpu"), train=True)
-        res = R.train_loop(rp, user, loop, args, say=lines.append if rank == 0 else (lambda msg: None))
+        say = lines.append if rank == 0 else (lambda msg: None)
+        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), train=True)
+        res = R.train_loop(rp, user, loop, args, say=say)
+        if args.timeline:
+            R._pipeline().write_timeline(rp, args.timeline, say)
         res["lines"] = lines if rank == 0 else []
         return res
 

@@ -8,6 +8,9 @@ from plan.json and the stage files, and each rank runs its actions with the runt
 pipeline axis, data-axis gradient sums once per step), exactly as ``plan.simulate_train`` does
 in-process. ``--check`` compares the last stage's outputs (per microbatch), every rank's
 gradients after the first step and the losses of every step with the unsharded model.
+run.py's training loop (``export_runner.train_loop``: ``--data``, clipping, the lr schedule,
+checkpoints, ``--resume``) runs a :class:`PipelineProgram` as it runs a ``RankProgram``, and
+``--timeline`` writes the last step's measured actions of every rank (:func:`write_timeline`).
 
 The runner module is passed in as ``R`` (run.py runs as ``__main__``, so its ``RunError`` is
 not the installed module's): errors found here are run.py's one-line ``RunError``.
@@ -17,21 +20,24 @@ Example (inside a rank context, as run.py does)::
     programs = load_stages(root, doc, R)
     pp = PipelineProgram(doc, mesh, rank, programs, weights, torch.device("cpu"), train=True, R=R)
     res = rank_loop(pp, user, steps=2, R=R)       # res["losses"]: the step losses on every rank
+    write_timeline(pp, "t.json")                   # rank 0 writes every rank's actions
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from autoshard.ownership import Shard, local_piece
-from autoshard.runtime import current
+from autoshard.runtime import DistributedBackend, current
+from autoshard.runtime.checkpoint import all_gather_objects
 from autoshard.runtime.local import ShardedOptimizer
 from autoshard.runtime.pipeline import BoundarySpec, PipelineRank, PipelineSpec, StageSpec, split_microbatches
 from autoshard.runtime.schedules import Action, check_schedule
-
-# run.py's training-loop options that a pipelined export does not run yet
-LOOP_OPTIONS = "--data, --ckpt, --save-every, --resume, --lr-schedule, --clip-grad-norm, --total-steps, --metrics"
+from autoshard.runtime.timeline import measured_trace
 
 
 def validate(doc: dict, mesh, bad) -> None:
@@ -146,6 +152,15 @@ class PipelineProgram:
         the loss on the last stage's ranks, else None."""
         return self.pipe.step(split_microbatches(user, self.spec.microbatches), train=train)
 
+    def train_step(self, user: list):
+        """Forward and backward of one step (the schedule over its microbatches): run.py's
+        training loop calls it as it calls ``RankProgram.train_step``."""
+        return self.run(user, train=True)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the step's gradients of every stage to the global norm (see ``PipelineRank``)."""
+        return self.pipe.clip_grad_norm_(max_norm)
+
     def step_loss(self, loss) -> float:
         """The step's global loss on every rank (only the last stage's ranks hold it; the others
         add zero on the pipeline axis). Call on every rank inside the rank context."""
@@ -238,7 +253,7 @@ def rank_loop(pp: PipelineProgram, user: list, *, steps: int, optimizer: str = "
     pp.make_optimizer(optimizer, lr)
     for step in range(steps):
         t0 = time.perf_counter()
-        loss = pp.run(user, train=True)
+        loss = pp.train_step(user)
         if step == 0:
             res["outputs"] = dict(pp.pipe.outputs) if pp.last else None
             res["grads"] = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
@@ -260,3 +275,28 @@ def rank_loop(pp: PipelineProgram, user: list, *, steps: int, optimizer: str = "
         p_ok, res["worst_param"], p3 = compare_params(pp, ref, rtol, atol, R)
         res["ok"], res["problems"], res["params_checked"] = res["ok"] and p_ok, res["problems"] + p3, True
     return res
+
+
+def write_timeline(pp: PipelineProgram, path, say=lambda msg: None) -> dict:
+    """Gather every rank's measured actions of the last step (``PipelineRank.measured()``:
+    wall-clock start and end of each F, B, W) to rank 0, which writes them to ``path`` as a
+    Chrome / Perfetto trace, one row per rank (the format of ``plan.timeline``). Call on every
+    rank, inside its rank context; returns ``{rank: [(action, start, end)]}``.
+
+    Example::
+
+        write_timeline(pp, "timeline.json", say)     # after rank_loop or train_loop
+    """
+    mine = pp.pipe.measured()
+    if isinstance(current("write_timeline").backend, DistributedBackend):
+        # torch.distributed's object gather moves the bytes to the GPU where nccl needs them
+        rows = [None] * pp.mesh.size
+        dist.all_gather_object(rows, mine)
+    else:
+        rows = all_gather_objects(mine)
+    rows = dict(enumerate(rows))
+    if pp.rank == 0:
+        Path(path).write_text(json.dumps(measured_trace(rows, pp.mesh, pp.spec.axis)))
+        say(f"wrote the measured timeline of the last step ({sum(map(len, rows.values()))} actions on "
+            f"{len(rows)} ranks) to {path}")
+    return rows

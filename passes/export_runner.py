@@ -6,6 +6,8 @@ This file is copied verbatim into every exported directory as ``run.py`` (and im
     torchrun --nproc-per-node=4 out/run.py                 # one forward on the saved inputs
     torchrun --nproc-per-node=4 out/run.py --check         # ... compared with the unsharded model
     torchrun --nproc-per-node=4 out/run.py --steps 2 --check   # 2 training steps (AdamW)
+    torchrun --nproc-per-node=4 out/run.py --steps 20 --data tokens.bin --ckpt ck/   # the training loop
+    torchrun --nproc-per-node=4 out/pp/run.py --steps 2 --timeline t.json   # pipelined: the measured trace
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-endpoint=HOST:29500 out/run.py --synthetic
 
 Each process: reads plan.json and checks everything it can before joining the process group
@@ -413,6 +415,13 @@ def weights_lookup(weights: Weights):
     return lambda slot: weights.find(slot.target) if slot.shape is not None else None
 
 
+def rank_program(doc: dict, mesh: Mesh, rank: int, program, weights: Weights, device, train: bool):
+    """This rank's :class:`RankProgram`, or for a pipelined export its ``PipelineProgram``."""
+    if doc.get("pipeline"):
+        return _pipeline().PipelineProgram(doc, mesh, rank, program, weights, device, train, _this())
+    return RankProgram(doc, mesh, rank, program, weights, device, train)
+
+
 class RankProgram:
     """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
     ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.runtime.local.LocalModule` and
@@ -427,6 +436,21 @@ class RankProgram:
     def forward(self, user: list) -> list:
         """The program's flat local outputs (call inside the rank context)."""
         return self.local.run_flat(user)
+
+    def train_step(self, user: list):
+        """Forward and backward of one step on the global inputs ``user``: the local loss."""
+        loss = self.forward(user)[self.doc["loss_output"]]
+        # ones of the local loss shape: right for every owner (see autoshard's Plan.run_rank)
+        loss.backward(torch.ones_like(loss))
+        return loss
+
+    def step_loss(self, loss) -> float:
+        """The step's global loss from this rank's block (call on every rank)."""
+        return global_sum(loss, self.doc["outputs"][self.doc["loss_output"]]["_place"], self.mesh)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the gradients to the global 2-norm ``max_norm``; the norm before clipping."""
+        return clip_grad_norm_(self.local, max_norm)
 
     def make_optimizer(self, kind: str, lr: float):
         self.opt = ShardedOptimizer.by_name(self.local, kind, lr)
@@ -520,6 +544,8 @@ def _parser():
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (nccl) when available, else cpu (gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--timeline", help="a pipelined export: rank 0 writes the last step's measured actions of every "
+                                      "rank here (Chrome / Perfetto trace JSON, one row per rank)")
     add_training_args(p)
     return p
 
@@ -551,6 +577,8 @@ def prepare(root: Path, args) -> dict:
         raise RunError("--steps trains parameters, but this program has no trainable ones")
     if args.synthetic and args.inputs:
         raise RunError("--synthetic and --inputs exclude each other")
+    if args.timeline and not doc.get("pipeline"):
+        raise RunError("--timeline records the actions of a pipeline schedule; this export is not pipelined")
     program = load_programs(root, doc)
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
@@ -721,18 +749,17 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
         say(f"pipeline on {p['axis']}: {len(p['stages'])} stages, {p.get('schedule')}, {p['microbatches']} "
             f"microbatches per step")
     with rank_context(mesh, rank, backend):
-        if doc.get("pipeline"):
-            PR = _pipeline()
-            rp = PR.PipelineProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train, _this())
-            res = PR.rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                               ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this())
-        elif ctx["loop"]:
-            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        if ctx["loop"]:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
+        elif doc.get("pipeline"):
+            res = _pipeline().rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this())
         else:
-            rp = RankProgram(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
             res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
+        if args.timeline:
+            _pipeline().write_timeline(rp, args.timeline, say)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
@@ -808,9 +835,6 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
     option is given; else the token source, the checkpoint to resume and the schedule."""
     if not uses_training_loop(args):
         return {}
-    if doc.get("pipeline"):
-        raise RunError(f"a pipelined export runs --steps N [--check] on its saved or given inputs; the training "
-                       f"loop options ({_pipeline().LOOP_OPTIONS}) are not supported for it yet")
     if args.steps <= 0:
         raise RunError("the training loop options (--data, --ckpt, --resume, --lr-schedule, ...) need --steps N > 0")
     if args.check:
@@ -840,7 +864,8 @@ class TokenData:
     """A token file read as consecutive global batches: batch k is tokens ``[pos, pos + B*S)``
     viewed as the planned ``[B, S]`` (wrapping to the start when the file is used up). Every
     integer input of that shape gets it (``input_ids``, and ``labels``: the models shift labels
-    themselves), except masks (``*mask*``: ones); a rank reads only its own block of it.
+    themselves), except masks (``*mask*``: ones); a rank reads only its own block of it (of each
+    microbatch's piece, for a pipelined export: the schedule splits the batch on dim 0 first).
 
     Example::
 
@@ -862,6 +887,7 @@ class TokenData:
                 raise RunError(f"--data cannot fill input {m['target']} ({m['dtype']} {m['shape']}): it fills token "
                                f"inputs of shape {self.shape} (and masks of that shape with ones)")
         self.per_batch = math.prod(self.shape)
+        self.microbatches = (doc.get("pipeline") or {}).get("microbatches", 1)
         if not path.is_file():
             raise RunError(f"--data {path} does not exist")
         suffix = path.suffix.lower()
@@ -907,9 +933,12 @@ class TokenData:
             key = tuple(m["_place"])
             if key not in cache:
                 g = torch.zeros(self.shape, dtype=m["_dtype"])
-                region = ckpt.block_region(self.shape, m["_place"], mesh, rank)
-                if region is not None:
-                    index = tuple(slice(o, o + n) for o, n in zip(*region))
+                rows = self.shape[0] // self.microbatches  # this rank's block of each microbatch
+                region = ckpt.block_region([rows] + list(self.shape[1:]), m["_place"], mesh, rank)
+                for first in range(0, self.shape[0], rows) if region is not None else ():
+                    (o0, *offsets), (n0, *sizes) = region
+                    index = (slice(first + o0, first + o0 + n0),
+                             *(slice(o, o + n) for o, n in zip(offsets, sizes)))
                     block = chunk[index]
                     g[index] = block.to(torch.int64) if isinstance(block, torch.Tensor) else \
                         torch.from_numpy(block.astype("int64"))
@@ -937,7 +966,10 @@ def lr_factor(schedule: dict, total: int):
 
 def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     """``args.steps`` training steps of one rank inside its rank context, with the loop's data,
-    schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``)."""
+    schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``).
+    ``rp``: a :class:`RankProgram`, or a pipelined export's ``PipelineProgram`` (each step its
+    schedule over the step's microbatches); both give ``train_step``, ``step_loss``,
+    ``clip_grad_norm_``, ``step`` and ``local``."""
     doc, mesh = rp.doc, rp.mesh
     rp.make_optimizer(args.optimizer, args.lr)
     opt, start, pos, schedule, manifest = rp.opt, 0, 0, dict(loop["schedule"]), None
@@ -958,8 +990,6 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             scheduler.load_state_dict(extra["scheduler"])
         say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
     data, end = loop.get("data"), start + args.steps
-    k_loss = doc["loss_output"]
-    loss_place = doc["outputs"][k_loss]["_place"]
     tokens = data.per_batch if data else None
     info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
             "state_dict_keys": doc.get("state_dict_keys")}
@@ -972,16 +1002,14 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             t0 = time.perf_counter()
             if data:
                 user, pos = data.batch(pos, mesh, rp.rank)
-            outs = rp.forward(user)
-            loss = outs[k_loss]
-            loss.backward(torch.ones_like(loss))
-            norm = clip_grad_norm_(rp.local, args.clip_grad_norm) if args.clip_grad_norm is not None else None
+            loss = rp.train_step(user)
+            norm = rp.clip_grad_norm_(args.clip_grad_norm) if args.clip_grad_norm is not None else None
             lr = opt.inner.param_groups[0]["lr"]
             rp.step()
             scheduler.step()
             sync()
             dt = time.perf_counter() - t0
-            value = global_sum(loss, loss_place, mesh)
+            value = rp.step_loss(loss)
             res["losses"].append(value)
             res["grad_norms"].append(norm)
             res["lrs"].append(lr)

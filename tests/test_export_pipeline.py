@@ -1,13 +1,15 @@
 """Export of pipelined plans: a program file per stage, the schedule in plan.json, run.py
-running each rank's actions (``--check`` included).
+running each rank's actions (``--check`` included), its training loop (``--data``, clipping,
+the lr schedule, checkpoints and ``--resume``) and the measured timeline (``--timeline``).
 
-Fast tests run the exported directory on the simulated mesh (``simulate_export`` loads the
-stage files, weights and inputs exactly as run.py does) and check what is written. Slow tests
-run it under real torchrun (gloo) with ``--check`` and compare the step losses with the plan's
-in-process simulation.
+Fast tests run the exported directory on the simulated mesh (``simulate_export`` and
+``simulate_run`` load the stage files, weights, inputs and token data exactly as run.py does)
+and check what is written. Slow tests run it under real torchrun (gloo) with ``--check`` and
+``--timeline``, and the training loop with a resume, comparing with the in-process runs.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -18,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,10 +29,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from autoshard.passes import export_runner as R  # noqa: E402
+import autoshard  # noqa: E402
 from autoshard.passes.export import simulate_export, simulate_run, torchrun_command  # noqa: E402
 from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
-from autoshard.runtime.schedules import Action, check_schedule, make_schedule  # noqa: E402
+from autoshard.runtime.schedules import Action, check_schedule, dependencies, make_schedule, stage_rank  # noqa: E402
+from exactness import reference_train  # noqa: E402
 from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
+from test_train_loop import expected_lr  # noqa: E402
 
 ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731 - run.py's default optimizer
 CALL = re.compile(r"^\s+\w+ = (" + "|".join(ADJOINTS) + r")\(")
@@ -50,6 +56,57 @@ def zb(tmp_path_factory):
 
 def _args(*argv):
     return R._parser().parse_args(list(argv))
+
+
+VOCAB = 64  # masked_batch's Llama
+LOOP = ["--lr-schedule", "cosine", "--warmup", "2", "--clip-grad-norm", "1.0", "--lr", "1e-2"]
+
+
+def token_file(tmp, args, batches: int, seed: int = 5):
+    """A uint16 token file of ``batches`` global batches of the plan's shape (and a few more
+    tokens), and the batches run.py --data reads from it, step by step, as model arguments."""
+    b, s = args[0].shape
+    tokens = torch.randint(0, VOCAB, (b * s * batches + 5,), generator=torch.Generator().manual_seed(seed))
+    path = tmp / "tokens.bin"
+    tokens.numpy().astype(np.uint16).tofile(path)
+
+    def steps(n):
+        out = []
+        for k in range(n):
+            start = (k % batches) * b * s  # the file holds `batches` whole batches, then wraps
+            ids = tokens[start:start + b * s].view(b, s)
+            out.append((ids, None, ids))  # labels are the token ids (the model shifts them)
+        return out
+
+    return path, steps
+
+
+def assert_measured_trace(trace_path, plan):
+    """The measured trace of a step: JSON with one row per rank; each row is every F, B (and
+    W) of every microbatch of its stages, in its schedule's order, one after another; and no
+    action ends before an action it depends on (on its pipeline peer) has started."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    mesh, axis = plan.mesh, plan.axis
+    pp, n_stages = mesh.axes[axis], len(plan.pipe.stages)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert sorted(names) == list(range(mesh.size)) and all(f"rank {r} " in n for r, n in names.items())
+    split = any(a.kind == "W" for acts in plan.action_lists for a in acts)
+    span = {}
+    for rank in range(mesh.size):
+        mine = [e for e in events if e["ph"] == "X" and e["tid"] == rank]
+        coord = mesh.coords(rank)[axis]
+        acts = [Action(e["args"]["kind"], e["args"]["mb"], e["args"]["stage"]) for e in mine]
+        assert acts == plan.schedule[coord]
+        assert sorted(acts) == sorted(Action(k, m, s) for k in ("FBW" if split else "FB")
+                                      for m in range(plan.microbatches) for s in range(n_stages)
+                                      if stage_rank(s, pp) == coord)
+        assert all(x["ts"] + x["dur"] <= y["ts"] + 1e-3 for x, y in zip(mine, mine[1:]))
+        for a, e in zip(acts, mine):
+            span[(rank, a)] = (e["ts"], e["ts"] + e["dur"])
+    for (rank, a), (start, end) in span.items():
+        for d in dependencies(a, n_stages, split):
+            peer = mesh.rank_of({**mesh.coords(rank), axis: stage_rank(d.stage, pp)})
+            assert span[(peer, d)][0] <= end, (rank, a, d)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,17 +244,98 @@ def test_tied_embeddings_export(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# what is not supported, and broken files
+# the training loop: --data, clipping, the lr schedule, checkpoints, --resume; --timeline
 # ------------------------------------------------------------------------------------------------
 
-def test_unsupported_options_and_broken_files_are_named(zb, tmp_path, monkeypatch):
+def test_data_steps_train_like_the_plan_and_single_device(zb, tmp_path):
+    """run.py --data on the pipelined export: 4 steps over consecutive batches of the token
+    file (the 4th wraps to the start) give the plan's simulate_train losses on the same batches
+    bit for bit, and single-device training's losses and final parameters (fp32, rtol 1e-5 /
+    atol 1e-6; the parameters read back from the checkpoint written at the end)."""
+    plan, args, model, path = zb
+    data, batches = token_file(tmp_path, args, 3)
+    res = simulate_run(path, "--steps", "4", "--data", str(data), "--ckpt", str(tmp_path / "ck"))
+    losses, _ = plan.simulate_train(batches(4), optimizer=ADAMW)
+    assert all(r["losses"] == losses for r in res)
+    ref_losses, ref_params = reference_train(model, batches(4), ADAMW)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    params = autoshard.consolidate(tmp_path / "ck" / "step-000004")
+    assert set(params) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert res[0]["lines"][0].startswith("step 1/4  loss ") and "tokens/s" in res[0]["lines"][0]
+
+
+def eager_clipped(model, batches, total):
+    """Single-device AdamW with torch's clip_grad_norm_ and the cosine schedule written out
+    (test_train_loop.expected_lr): the losses and the norms before clipping."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for s, batch in enumerate(batches):
+        for g in opt.param_groups:
+            g["lr"] = expected_lr(s, total=total)
+        loss = m(*batch)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.mark.parametrize("mesh,schedule", [("pp2xdp2", "zero_bubble"), ("pp2", "1f1b")])
+def test_resume_continues_bit_exactly_and_clipping_is_single_devices(zb, tmp_path, mesh, schedule):
+    """Clipping by the global norm over every stage (a tied embedding counted once), the cosine
+    schedule, checkpoints every 2 steps and --resume: 2 + 2 resumed steps equal 4 straight bit
+    for bit, and single-device training with torch's clipping (fp32, rtol 1e-5). The resumed
+    run writes the measured timeline of its last step (--timeline)."""
+    plan, args, model, path = zb if schedule == "zero_bubble" else export(tmp_path, mesh, schedule,
+                                                                            tie_embeddings=True)
+    data, batches = token_file(tmp_path, args, 4)
+    opts = ["--data", str(data), *LOOP]
+    straight = simulate_run(path, "--steps", "4", *opts)[0]
+    ck = tmp_path / "ck"
+    first = simulate_run(path, "--steps", "2", "--total-steps", "4", "--save-every", "2", "--ckpt", str(ck),
+                         "--metrics", str(tmp_path / "m.jsonl"), *opts)[0]
+    second = simulate_run(path, "--steps", "2", "--resume", str(ck), "--timeline", str(tmp_path / "t.json"), *opts)
+    assert first["losses"] + second[0]["losses"] == straight["losses"]  # bit for bit
+    assert first["grad_norms"] + second[0]["grad_norms"] == straight["grad_norms"]
+    assert all(r["losses"] == second[0]["losses"] for r in second)  # every rank reports the step loss
+    assert second[0]["lines"][0].startswith(f"resumed from {ck / 'step-000002'} at step 2")
+    assert [json.loads(l)["loss"] for l in (tmp_path / "m.jsonl").read_text().splitlines()] == first["losses"]
+    ref_losses, ref_norms = eager_clipped(model, batches(4), 4)
+    assert straight["lrs"] == pytest.approx([expected_lr(s, total=4) for s in range(4)], rel=1e-12)
+    torch.testing.assert_close(torch.tensor(straight["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(straight["grad_norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+    assert any(l.startswith("wrote the measured timeline") for l in second[0]["lines"])
+    assert_measured_trace(tmp_path / "t.json", plan)
+
+
+def test_each_rank_reads_its_block_of_every_microbatch(zb, tmp_path):
+    """--data on pp2 x dp2 with 4 microbatches of 2 rows: the schedule splits the batch first,
+    so dp rank d needs row d of every microbatch (rows d, 2 + d, ...), and reads nothing else."""
+    plan, args, _, path = zb
+    data, batches = token_file(tmp_path, args, 2)
+    doc = R.read_plan(path)
+    tokens = R.TokenData(data, "uint16", doc)
+    want = batches(2)[1][0]
+    m_rows = want.shape[0] // plan.microbatches
+    for rank in range(plan.mesh.size):
+        (ids, mask, labels), nxt = tokens.batch(want.numel(), plan.mesh, rank)
+        assert nxt == 2 * want.numel() and mask is None and labels is ids
+        mine = torch.zeros(want.shape[0], dtype=torch.bool)
+        mine[plan.mesh.coords(rank)["dp"]::m_rows] = True  # this rank's row of each microbatch
+        assert torch.equal(ids[mine], want[mine]) and not ids[~mine].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# broken files
+# ------------------------------------------------------------------------------------------------
+
+def test_broken_files_are_named(zb, tmp_path, monkeypatch):
     _, _, _, src = zb
     monkeypatch.setenv("WORLD_SIZE", "4")
-    for opt in (["--data", "tokens.bin"], ["--ckpt", str(tmp_path / "ck")], ["--clip-grad-norm", "1.0"]):
-        with pytest.raises(R.RunError, match=r"pipelined export .* training loop options \(--data, --ckpt"):
-            R.prepare(src, _args("--steps", "2", *opt))
-    with pytest.raises(R.RunError, match="training loop options"):
-        simulate_run(src, "--steps", "2", "--ckpt", str(tmp_path / "ck"))
     doc = json.loads((src / "plan.json").read_text())
     cases = {
         "deadlock": lambda d, doc: doc["pipeline"]["actions"][1].reverse(),
@@ -229,11 +367,13 @@ def test_unsupported_options_and_broken_files_are_named(zb, tmp_path, monkeypatc
 def test_torchrun_check_of_a_pipelined_export(tmp_path, mesh, schedule, nproc):
     """The export under torchrun (gloo): --check passes at fp32 tolerances (outputs per
     microbatch, gradients, losses and parameters after 2 AdamW steps against single-device
-    training) and the printed step losses are the plan's simulated ones."""
+    training), the printed step losses are the plan's simulated ones, and --timeline writes the
+    measured trace of the last step (every rank's actions, gathered to rank 0)."""
     plan, args, _, path = export(tmp_path, mesh, schedule)
     losses, _ = plan.simulate_train([args] * 2, optimizer=ADAMW)
     start = time.monotonic()
-    proc = subprocess.run(torchrun_command(path, nproc, "--check", "--steps", "2", "--rtol", "1e-5", "--atol", "1e-6"),
+    proc = subprocess.run(torchrun_command(path, nproc, "--check", "--steps", "2", "--rtol", "1e-5", "--atol", "1e-6",
+                                           "--timeline", str(tmp_path / "t.json")),
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=TORCHRUN_TIMEOUT)
     out = proc.stdout
@@ -243,4 +383,33 @@ def test_torchrun_check_of_a_pipelined_export(tmp_path, mesh, schedule, nproc):
     assert f"{plan.microbatches} microbatches per step" in out
     printed = [float(x) for x in re.findall(r"step \d/2  loss ([\d.]+)  time", out)]
     assert printed == pytest.approx(losses, abs=5e-7)  # printed with 6 decimals
+    assert out.count("wrote the measured timeline") == 1, out
+    assert_measured_trace(tmp_path / "t.json", plan)
     assert time.monotonic() - start < TORCHRUN_TIMEOUT
+
+
+@pytest.mark.slow
+def test_torchrun_training_loop_of_a_pipelined_export(tmp_path):
+    """run.py's training loop on a pipelined export under torchrun (pp=2, 2 gloo processes,
+    tied embeddings): 3 steps of --data with clipping, the cosine schedule and a checkpoint at
+    step 2 give the in-process run's losses, norms and learning rates bit for bit, and step 3
+    resumed from the checkpoint gives step 3 of the straight run bit for bit."""
+    _, args, _, path = export(tmp_path, "pp2", "1f1b", tie_embeddings=True)
+    data, _ = token_file(tmp_path, args, 2)
+    opts = ["--data", str(data), *LOOP]
+    ck = tmp_path / "ck"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda *argv: subprocess.run(torchrun_command(path, 2, *argv, *opts), env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
+    a = run("--steps", "3", "--save-every", "2", "--ckpt", str(ck), "--metrics", str(tmp_path / "a.jsonl"))
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    b = run("--steps", "1", "--resume", str(ck / "step-000002"), "--metrics", str(tmp_path / "b.jsonl"))
+    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
+    read = lambda name: [json.loads(l) for l in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    ma, mb = read("a.jsonl"), read("b.jsonl")
+    inproc = simulate_run(path, "--steps", "3", *opts)[0]
+    assert [m["loss"] for m in ma] == inproc["losses"] and [m["grad_norm"] for m in ma] == inproc["grad_norms"]
+    assert [m["lr"] for m in ma] == inproc["lrs"]
+    assert [m["step"] for m in mb] == [3] and mb[0]["loss"] == ma[2]["loss"]  # bit for bit
+    assert "step 1/3  loss " in a.stdout and f"saved checkpoint {ck / 'step-000002'}" in a.stdout
+    assert f"resumed from {ck / 'step-000002'} at step 2" in b.stdout

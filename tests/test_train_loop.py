@@ -134,7 +134,8 @@ def test_loop_options_are_checked_before_running(export, tmp_path, monkeypatch):
              (["--steps", "2", "--data", str(tmp_path / "short.bin")], "has 10 tokens, fewer than one global batch"),
              (["--steps", "2", "--data", str(tmp_path / "none.bin")], "does not exist"),
              (["--steps", "2", "--resume", str(tmp_path / "ck")], "only incomplete checkpoints"),
-             (["--steps", "2", "--data", str(base / "tokens.bin"), "--check"], "--check compares")]
+             (["--steps", "2", "--data", str(base / "tokens.bin"), "--check"], "--check compares"),
+             (["--steps", "2", "--timeline", str(tmp_path / "t.json")], "this export is not pipelined")]
     for argv, message in cases:
         with pytest.raises(R.RunError, match=message):
             R.prepare(path, R._parser().parse_args(argv))
