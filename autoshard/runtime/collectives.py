@@ -453,6 +453,34 @@ def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: i
          "backward")
 
 
+def post_recv(axis: str, peer: int, message: int, shape, dtype: torch.dtype, device=None) -> None:
+    """Start receiving what ``recv(..., message)`` will read, so the data can arrive while this
+    rank still computes (a backend that cannot start early ignores it). Every posted message
+    must then be read by that ``recv``.
+
+    Example::
+
+        post_recv("pp", 0, message=mb + 1, shape=(4, 8, 32), dtype=torch.float32)
+        ...                                  # this microbatch's work
+        h = recv(token, "pp", 0, message=mb + 1, shape=(4, 8, 32), dtype=torch.float32)
+    """
+    buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+    current("autoshard post_recv").backend.post_recv(buffer, axis, peer, 2 * message)
+
+
+def post_gradient_recv(x: torch.Tensor, axis: str, peer: int, message: int) -> None:
+    """Start receiving the gradient that the backward of ``send(x, axis, peer, message)``
+    reads (see :func:`post_recv`).
+
+    Example::
+
+        token = send(h, "pp", 1, message=mb)
+        post_gradient_recv(h, "pp", 1, message=mb)
+    """
+    buffer = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    current("autoshard post_gradient_recv").backend.post_recv(buffer, axis, peer, 2 * message + 1)
+
+
 # ---- resharding after forward (ZeRO-3 / FSDP) ------------------------------------------------
 
 class _ParamSource:
