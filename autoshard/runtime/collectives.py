@@ -405,12 +405,18 @@ class _PointToPoint(torch.autograd.Function):
         rctx, axis, peer, message = fctx.rctx, fctx.axis, fctx.peer, 2 * fctx.message + 1
         if fctx.op == "send":
             shape, dtype, device = fctx.like
-            template = torch.empty(shape, dtype=dtype, device=device)
+            template = _template(shape, dtype, device)
             dx = _run(rctx, "recv", template, axis, (peer, message), "send", fctx.tag, "backward")
         else:
             _run(rctx, "send", grad.detach(), axis, (peer, message), "recv", fctx.tag, "backward")
             dx = grad.new_zeros(0)
         return dx, None, None, None, None, None, None
+
+
+def _template(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """What a receive expects (shape, dtype, device), without allocating its memory: the
+    backend allocates the received tensor (or has it already, from ``post_recv``)."""
+    return torch.empty((), dtype=dtype, device=device).expand(tuple(shape))
 
 
 def send(x: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> torch.Tensor:
@@ -437,8 +443,7 @@ def recv(token: torch.Tensor, axis: str, peer: int, message: int, shape, dtype: 
         h = recv(torch.empty(0, requires_grad=True), "pp", 0, message=mb, shape=(4, 8, 32), dtype=torch.float32)
     """
     current("autoshard recv").mesh.check_axis(axis)
-    template = torch.empty(tuple(shape), dtype=dtype, device=token.device)
-    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, template)
+    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, _template(shape, dtype, token.device))
 
 
 def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> None:
