@@ -8,8 +8,9 @@ dim move it to the front, run, and move it back.
 
 Point to point (pipeline stage boundaries) uses ``send`` / ``recv`` of the default group with the
 message number as the tag, so gloo matches messages by tag whatever order they were sent in.
-Sends do not copy and are waited for only in ``wait_sends``; ``post_recv`` starts a receive
-ahead of the ``recv`` that reads it, so the data can land while this rank still computes.
+Sends do not copy and are waited for only in ``wait_sends``; on gloo, ``post_recv`` starts a
+receive ahead of the ``recv`` that reads it, so the data can land while this rank still computes
+(nccl matches by posting order, so there it waits for the ``recv``).
 NCCL ignores tags and matches messages between two ranks in the order they were posted; the
 pipeline schedules post them in matching order, but that path has not been run here.
 
@@ -103,6 +104,9 @@ class DistributedBackend(Backend):
         self._posted: dict = {}  # (source rank, message) -> receives started early: (work, buffer)
         self._peers: dict = {}  # (axis, peer coordinate) -> (this rank, peer's global rank)
         self._world = dist.group.WORLD
+        # gloo matches point-to-point messages by tag, so receives can be posted in any order;
+        # nccl matches them in posting order, which ahead-of-time posting would change.
+        self._by_tag = dist.get_backend() == "gloo"
         self.groups = {axis: device_mesh.get_group(axis) for axis in mesh.names}
         # Both layouts are row-major over the axes; check rather than assume.
         rank = dist.get_rank()
@@ -209,6 +213,8 @@ class DistributedBackend(Backend):
         self._sends.append((self._world.send([buf], dst, message), buf, buf._version))
 
     def post_recv(self, buffer, axis, peer, message):
+        if not self._by_tag:
+            return  # matched in posting order: receives are posted in the order recv asks
         me, src = self._peer_rank(axis, peer)
         if src != me:
             self._posted.setdefault((src, message), deque()).append((self._world.recv([buffer], src, message), buffer))
