@@ -90,3 +90,40 @@ def test_spawn_times_out_and_kills():
     with pytest.raises(SpawnError, match=r"timeout after 8s; ranks \[0, 1\] did not finish"):
         spawn(_sleepy_worker, 2, timeout=8)
     assert time.monotonic() - start < 30
+
+
+def _p2p_worker(rank, world_size):
+    """Rank 0 sends messages 1..3 (3 first); rank 1 posts 2 and 3 ahead, reads 1 unposted,
+    then 3 before 2. Then rank 0 modifies a tensor it is sending."""
+    from autoshard.runtime.backend import CollectiveError
+
+    mesh = Mesh({"pp": 2})
+    backend = DistributedBackend(mesh)
+    got = {}
+    with rank_context(mesh, rank, backend):
+        if rank == 0:
+            for m in (3, 1, 2):
+                backend.send(torch.full((2, 3), float(m)), "pp", 1, m)
+            backend.wait_sends()
+            x = torch.ones(4)
+            backend.send(x, "pp", 1, 4)
+            x.add_(1)  # against the contract: x is not copied
+            try:
+                backend.wait_sends()
+            except CollectiveError as e:
+                got["error"] = str(e)
+        else:
+            for m in (2, 3):
+                backend.post_recv(torch.empty(2, 3), "pp", 0, m)
+            template = torch.empty(2, 3)
+            for m in (1, 3, 2):
+                got[m] = backend.recv(template, "pp", 0, m)
+            backend.recv(torch.empty(4), "pp", 0, 4)
+    return got
+
+
+def test_gloo_point_to_point_posted_receives_and_unmodified_sends():
+    sender, receiver = spawn(_p2p_worker, 2, timeout=120)
+    for m in (1, 2, 3):
+        assert torch.equal(receiver[m], torch.full((2, 3), float(m))), m
+    assert "modified in place while it was being sent" in sender["error"]

@@ -18,9 +18,13 @@ Point to point (pipeline stage boundaries), with ``peer`` a coordinate on ``axis
 coordinates are this rank's) and ``message`` a number both sides agree on:
 
 - ``send(x, axis, peer, message)``: hand ``x`` over without waiting for the receiver (the
-  backend keeps what it needs until ``wait_sends``);
+  backend keeps what it needs until ``wait_sends``; the caller must not modify ``x`` in place
+  before then);
 - ``recv(template, axis, peer, message)``: wait for that message, a tensor shaped like
-  ``template``.
+  ``template``;
+- ``post_recv(buffer, axis, peer, message)`` (optional): a ``recv`` of that message will
+  follow; a backend that can starts receiving it now, into ``buffer`` (a fresh tensor of the
+  message's shape and dtype, which that ``recv`` may return).
 
 Results are always fresh tensors, never views of ``x``.
 """
@@ -81,6 +85,10 @@ class Backend:
 
     def recv(self, template: torch.Tensor, axis: str, peer: int, message: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def post_recv(self, buffer: torch.Tensor, axis: str, peer: int, message: int) -> None:
+        """Start receiving ``message`` into ``buffer`` ahead of its ``recv`` (which then returns
+        it). Every posted message must be read by a ``recv``. Default: nothing to start."""
 
     def wait_sends(self) -> None:
         """Block until every send of this rank has left (buffers may be reused after)."""

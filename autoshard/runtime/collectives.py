@@ -405,12 +405,18 @@ class _PointToPoint(torch.autograd.Function):
         rctx, axis, peer, message = fctx.rctx, fctx.axis, fctx.peer, 2 * fctx.message + 1
         if fctx.op == "send":
             shape, dtype, device = fctx.like
-            template = torch.empty(shape, dtype=dtype, device=device)
+            template = _template(shape, dtype, device)
             dx = _run(rctx, "recv", template, axis, (peer, message), "send", fctx.tag, "backward")
         else:
             _run(rctx, "send", grad.detach(), axis, (peer, message), "recv", fctx.tag, "backward")
             dx = grad.new_zeros(0)
         return dx, None, None, None, None, None, None
+
+
+def _template(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """What a receive expects (shape, dtype, device), without allocating its memory: the
+    backend allocates the received tensor (or has it already, from ``post_recv``)."""
+    return torch.empty((), dtype=dtype, device=device).expand(tuple(shape))
 
 
 def send(x: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> torch.Tensor:
@@ -437,8 +443,7 @@ def recv(token: torch.Tensor, axis: str, peer: int, message: int, shape, dtype: 
         h = recv(torch.empty(0, requires_grad=True), "pp", 0, message=mb, shape=(4, 8, 32), dtype=torch.float32)
     """
     current("autoshard recv").mesh.check_axis(axis)
-    template = torch.empty(tuple(shape), dtype=dtype, device=token.device)
-    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, template)
+    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, _template(shape, dtype, token.device))
 
 
 def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> None:
@@ -451,6 +456,34 @@ def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: i
     """
     _run(current("autoshard send_gradient"), "send", grad.detach(), axis, (peer, 2 * message + 1), "recv", tag,
          "backward")
+
+
+def post_recv(axis: str, peer: int, message: int, shape, dtype: torch.dtype, device=None) -> None:
+    """Start receiving what ``recv(..., message)`` will read, so the data can arrive while this
+    rank still computes (a backend that cannot start early ignores it). Every posted message
+    must then be read by that ``recv``.
+
+    Example::
+
+        post_recv("pp", 0, message=mb + 1, shape=(4, 8, 32), dtype=torch.float32)
+        ...                                  # this microbatch's work
+        h = recv(token, "pp", 0, message=mb + 1, shape=(4, 8, 32), dtype=torch.float32)
+    """
+    buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+    current("autoshard post_recv").backend.post_recv(buffer, axis, peer, 2 * message)
+
+
+def post_gradient_recv(x: torch.Tensor, axis: str, peer: int, message: int) -> None:
+    """Start receiving the gradient that the backward of ``send(x, axis, peer, message)``
+    reads (see :func:`post_recv`).
+
+    Example::
+
+        token = send(h, "pp", 1, message=mb)
+        post_gradient_recv(h, "pp", 1, message=mb)
+    """
+    buffer = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    current("autoshard post_gradient_recv").backend.post_recv(buffer, axis, peer, 2 * message + 1)
 
 
 # ---- resharding after forward (ZeRO-3 / FSDP) ------------------------------------------------

@@ -6,8 +6,11 @@ reduce_scatter_single / reduce_scatter_tensor, all_to_all_single), so no emulati
 Those primitives work on dim 0 of contiguous tensors, so gathers and scatters along another
 dim move it to the front, run, and move it back.
 
-Point to point (pipeline stage boundaries) uses ``isend`` / ``recv`` on the default group with the
+Point to point (pipeline stage boundaries) uses ``send`` / ``recv`` of the default group with the
 message number as the tag, so gloo matches messages by tag whatever order they were sent in.
+Sends do not copy and are waited for only in ``wait_sends``; on gloo, ``post_recv`` starts a
+receive ahead of the ``recv`` that reads it, so the data can land while this rank still computes
+(nccl matches by posting order, so there it waits for the ``recv``).
 NCCL ignores tags and matches messages between two ranks in the order they were posted; the
 pipeline schedules post them in matching order, but that path has not been run here.
 
@@ -29,7 +32,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, Pending, check_divisible, check_splits
+from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
 _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -96,8 +99,14 @@ class DistributedBackend(Backend):
                                            backend_override=_timeout_override(mesh, timeout))
         self.mesh = mesh
         self.device_mesh = device_mesh
-        self._sends: list = []  # (work, buffer) of sends in flight
+        self._sends: list = []  # (work, buffer, its version when sent) of sends in flight
         self._to_self: dict = {}  # message -> tensors a rank sent to itself
+        self._posted: dict = {}  # (source rank, message) -> receives started early: (work, buffer)
+        self._peers: dict = {}  # (axis, peer coordinate) -> (this rank, peer's global rank)
+        self._world = dist.group.WORLD
+        # gloo matches point-to-point messages by tag, so receives can be posted in any order;
+        # nccl matches them in posting order, which ahead-of-time posting would change.
+        self._by_tag = dist.get_backend() == "gloo"
         self.groups = {axis: device_mesh.get_group(axis) for axis in mesh.names}
         # Both layouts are row-major over the axes; check rather than assume.
         rank = dist.get_rank()
@@ -179,27 +188,60 @@ class DistributedBackend(Backend):
         return out
 
     def _peer_rank(self, axis, peer):
-        rank = dist.get_rank()
-        return rank, self.mesh.rank_of({**self.mesh.coords(rank), axis: peer})
+        """(this rank, the global rank at coordinate ``peer`` on ``axis``), cached: point to
+        point runs it per message."""
+        key = (axis, peer)
+        pair = self._peers.get(key)
+        if pair is None:
+            rank = dist.get_rank()
+            pair = self._peers[key] = (rank, self.mesh.rank_of({**self.mesh.coords(rank), axis: peer}))
+        return pair
+
+    # Point to point goes to the default ProcessGroup object itself (global ranks are its
+    # ranks): dist.isend / dist.recv add per-call checks and logging wrappers that cost as much
+    # CPU as a small message's transfer.
 
     def send(self, x, axis, peer, message):
         me, dst = self._peer_rank(axis, peer)
-        buf = x.detach().contiguous().clone()
         if dst == me:
-            self._to_self.setdefault(message, deque()).append(buf)
+            self._to_self.setdefault(message, deque()).append(x.detach().clone())
             return
-        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
-        self._sends.append((dist.isend(buf, dst, tag=message), buf))
+        # No copy: the caller leaves x unmodified until wait_sends (checked there).
+        buf = x.detach().contiguous()
+        if len(self._sends) >= 64:
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+        self._sends.append((self._world.send([buf], dst, message), buf, buf._version))
+
+    def post_recv(self, buffer, axis, peer, message):
+        if not self._by_tag:
+            return  # matched in posting order: receives are posted in the order recv asks
+        me, src = self._peer_rank(axis, peer)
+        if src != me:
+            self._posted.setdefault((src, message), deque()).append((self._world.recv([buffer], src, message), buffer))
 
     def recv(self, template, axis, peer, message):
         me, src = self._peer_rank(axis, peer)
         if src == me:
             return self._to_self[message].popleft()
-        out = torch.empty(template.shape, dtype=template.dtype, device=template.device)
-        dist.recv(out, src, tag=message)
+        queue = self._posted.get((src, message))
+        if queue:
+            work, out = queue.popleft()
+            if not queue:
+                del self._posted[(src, message)]
+            if out.shape != template.shape or out.dtype != template.dtype:
+                raise CollectiveError(f"recv of message {message} from rank {src}: posted for shape "
+                                      f"{tuple(out.shape)}, {out.dtype}, read as {tuple(template.shape)}, "
+                                      f"{template.dtype}")
+        else:
+            out = torch.empty(template.shape, dtype=template.dtype, device=template.device)
+            work = self._world.recv([out], src, message)
+        work.wait()
         return out
 
     def wait_sends(self):
-        for work, _ in self._sends:
+        sends, self._sends = self._sends, []
+        for work, buf, version in sends:
             work.wait()
-        self._sends.clear()
+            if buf._version != version:
+                raise CollectiveError("a tensor was modified in place while it was being sent; "
+                                      "send() does not copy it")

@@ -37,7 +37,7 @@ import torch
 from ..ownership import local_piece
 from .checkpoint import stored_placement
 from .clip import clip_grad_norm_, counted_here
-from .collectives import recv, reshard_after_forward, send, send_gradient
+from .collectives import post_gradient_recv, post_recv, recv, reshard_after_forward, send, send_gradient
 from .context import current, trace_phase
 from .local import LocalModule, RankSpec
 from .schedules import Action, stage_rank
@@ -160,11 +160,13 @@ class PipelineRank:
             for c in counts[1:]:
                 norm = norm + c
         t0, self.started = time.perf_counter(), time.time()
+        self._posted_upto = 0
         grad = torch.enable_grad() if train else torch.no_grad()
         with grad:
             for i, a in enumerate(self.actions):
                 if a.kind != "F" and not train:
                     continue
+                self._post_inputs(i + self.pp)
                 start = time.perf_counter()
                 if a.kind == "F":
                     self._forward(a, microbatches[a.mb], norm, train)
@@ -222,6 +224,19 @@ class PipelineRank:
                     if isinstance(v, torch.Tensor) else v)
         return self.local._values[name]
 
+    def _post_inputs(self, upto: int):
+        """Start receiving the boundary inputs of the forwards among the actions before ``upto``
+        (``pp`` actions ahead of the current one): they arrive while this rank computes, as soon
+        as the previous stage sends them, instead of after this rank asks."""
+        for a in self.actions[self._posted_upto:upto]:
+            if a.kind == "F":
+                st, prev = self.stages[a.stage], stage_rank(a.stage - 1, self.pp)
+                for kind, ref in st.inputs:
+                    if kind == "recv":
+                        b = st.recv[ref]
+                        post_recv(self.spec.axis, prev, self._message(b, a.mb), b.shape, b.dtype, self.device)
+        self._posted_upto = max(self._posted_upto, upto)
+
     def _message(self, b: BoundarySpec, mb: int) -> int:
         return b.index * self.spec.microbatches + mb
 
@@ -261,6 +276,8 @@ class PipelineRank:
                 tok = send(x, spec.axis, nxt, self._message(b, a.mb), tag=b.index)
                 if tok.requires_grad:
                     roots.append(tok)
+                    if train:  # its gradient comes back in this microbatch's B
+                        post_gradient_recv(x, spec.axis, nxt, self._message(b, a.mb))
             state["roots"], state["seeds"] = roots, [torch.empty(0, device=self.device) for _ in roots]
         if train:
             self._state[(a.stage, a.mb)] = state
