@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tabulate import tabulate
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from .mesh import Mesh
@@ -66,6 +67,15 @@ class Plan:
     _rank_spec: object = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
     example_inputs: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        # A program rewritten inside lazy_programs() generates its Python code on its first call.
+        # Generate it now, while one thread owns the plan: fx's code generation is not thread-safe,
+        # and simulated ranks (threads) calling a lazy program at once can get a forward that reads
+        # a value before the line that computes it.
+        gm = getattr(self.program, "graph_module", None)
+        if isinstance(gm, _LazyGraphModule):
+            gm.real_recompile()
 
     # ------------------------------------------------------------------ inspection
     @property

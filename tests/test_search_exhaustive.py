@@ -238,6 +238,29 @@ def candidates_exact(model, args, dims, mesh, every: int = 1):
     return checked, len(space.candidates())
 
 
+def test_a_plan_generates_a_lazily_rewritten_programs_code_before_ranks_call_it():
+    """The search rewrites without generating Python code (lazy GraphModules). Simulated ranks are
+    threads, and fx's code generation is not thread-safe: ranks making the first call at once got
+    a forward reading a value before its line (UnboundLocalError, seen once in a few runs of the
+    candidate tests). A Plan generates the code when it is made, in one thread."""
+    model, args, dims = llama_tiny(with_labels=True)
+    cap, info = prepared(model, args, dims)
+    mesh = Mesh({"dp": 2, "tp": 2})
+    space = SearchSpace(cap.graph, cap.inputs, info, mesh, CostModel(load_hardware("h100")), reduce=False)
+    c = space.candidates()[0]
+    layout = c.layout(space.names, space.extra)
+    program, axes = space._build(cap.graph, cap.inputs, info, layout, 0, None)
+    gm = program.graph_module
+    assert type(gm)._needs_recompile(), "the search's programs are expected to be lazy"
+    from autoshard.passes.spmd import resolve_layout
+    plan = Plan(model=model, mesh=mesh, captured=cap, info=info, resolved=resolve_layout(info, layout, mesh),
+                program=program, data_axes=axes)
+    assert not type(gm)._needs_recompile()
+    ref_out, ref_grads = _reference(model, args)
+    out, grads = plan.simulate_grads(*args)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("factory", [llama_tiny, gpt2_tiny], ids=["llama", "gpt2"])
 def test_every_candidate_exact_tp4(factory):
     model, args, dims = factory(with_labels=True)
