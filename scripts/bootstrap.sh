@@ -6,11 +6,12 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import numpy, torch, sympy, networkx, tabulate, pytest, transformers, expecttest, autoshard.passes, autoshard.cost" 2>/dev/null; then
+if ! .venv/bin/python -c "import numpy, torch, sympy, networkx, tabulate, pytest, xdist, transformers, expecttest, autoshard.passes, autoshard.cost" 2>/dev/null; then
   # torch==2.13.0 is pinned: on a CPU machine of this kind the CPU wheel is on disk;
   # an unpinned torch would pull a multi-GB CUDA build. numpy: torch warns on import without it.
   # transformers is for the tests only (tests/test_hf_models.py builds tiny models from configs);
   # expecttest too: torch's test Transformer module (benchmarks/vs_pytorch.py) imports it.
-  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate pytest "transformers==5.24.0" expecttest
+  # pytest-xdist runs the suite on every core (scripts/test.sh).
+  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate pytest pytest-xdist "transformers==5.24.0" expecttest
   .venv/bin/pip install -q --no-build-isolation -e .
 fi
