@@ -454,16 +454,20 @@ class SearchSpace:
         on the whole graph's with ``full``. Cached by the layout (enumeration, placements and
         bounds resolve one candidate's layout several times); callers only read the result."""
         full = full or self.reduced is None
-        key = (full, tuple(layout.items()))
-        got = self._resolved.get(key)
-        if got is None:
+        return self._memo(self._resolved, (full, tuple(layout.items())), lambda: resolve_layout(
+            self._named_full if full else self._named_red, layout, self.mesh))
+
+    def _memo(self, cache: dict, key, compute):
+        """``compute()``, cached in ``cache`` under ``key``; a LayoutError it raises is cached and
+        raised again (with a fresh traceback, so it does not grow per raise)."""
+        if key not in cache:
             try:
-                got = resolve_layout(self._named_full if full else self._named_red, layout, self.mesh)
+                cache[key] = compute()
             except self._LayoutError as e:
-                got = e
-            self._resolved[key] = got
+                cache[key] = e
+        got = cache[key]
         if isinstance(got, Exception):
-            raise got
+            raise got.with_traceback(None)
         return got
 
     def _tensor_dims(self) -> list:
@@ -687,21 +691,11 @@ class SearchSpace:
         axis depends on that axis's units alone (``input_placements`` decides each axis apart,
         and the size of the axis does not enter), so candidates and mesh shapes share these.
         Raises LayoutError as ``input_placements`` does."""
-        key = ("axis-placements", self.reduced is not None, tuple(units))
-        got = self._shared.get(key)
-        if got is None:
-            r = self.reduced
-            graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
-            one = Mesh({"axis": 1})
-            try:
-                got = {n: p[0] for n, p in input_placements(graph, info, Layout({}, {"axis": list(units)}, {}),
-                                                            one).items()}
-            except self._LayoutError as e:
-                got = e
-            self._shared[key] = got
-        if isinstance(got, Exception):
-            raise got
-        return got
+        r = self.reduced
+        graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+        return self._memo(self._shared, ("axis-placements", r is not None, tuple(units)), lambda: {
+            n: p[0] for n, p in input_placements(graph, info, Layout({}, {"axis": list(units)}, {}),
+                                                 Mesh({"axis": 1})).items()})
 
     def _full_state(self, cand: Candidate):
         """Placements, storage and data axes of the whole graph (no rewrite needed)."""
