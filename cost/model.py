@@ -578,12 +578,16 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
     counts: dict = {}
     volume: dict = {}
     queue: list = []  # overlappable collectives in flight on the comm stream: (start, end, key)
+    sent: dict = {}  # (kind, input bytes, axes) -> bytes sent: the repeated blocks repeat them
 
     def account(key, kind, nbytes, secs):
         total[key] = total.get(key, 0.0) + secs
         ck = key + (kind,)
         counts[ck] = counts.get(ck, 0) + 1
-        volume[ck] = volume.get(ck, 0.0) + _sent_bytes(kind, nbytes, key[0], mesh)
+        sk = (kind, nbytes, key[0])
+        if sk not in sent:
+            sent[sk] = _sent_bytes(kind, nbytes, key[0], mesh)
+        volume[ck] = volume.get(ck, 0.0) + sent[sk]
 
     def wait_until(t_end, own=None):
         """The compute stream idles from tc to t_end: the idle time is charged to whatever the

@@ -37,6 +37,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import fnmatch
@@ -59,7 +60,7 @@ from autoshard.ownership import R, Replicate, data_axes
 from autoshard.passes.dims import infer_dims, module_of
 from autoshard.passes.program import build_program, choose_storage
 from autoshard.passes.soft import SOFT_MARK, is_soft, soft_layout_value
-from autoshard.passes.spmd import (LayoutError, UnsupportedOpWarning, input_placements, lazy_programs,
+from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, input_placements, lazy_programs,
                                   requires_grad_nodes, resolve_layout, rewrite)
 
 from .checkpoint import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
@@ -419,6 +420,7 @@ class SearchSpace:
         self._cb_cache: dict = {}
         self._ob_cache: dict = {}
         self._uo_cache: dict = {}  # units of one axis -> whether they split two dims of a tensor
+        self._resolved: dict = {}  # (full graph?, layout items) -> resolved Layout or its LayoutError
         self.invalid = 0
         self.rewrites = 0
         self._stage_options = self._stages(zero_stage, reshard_after_forward)
@@ -449,9 +451,24 @@ class SearchSpace:
 
     def _units(self, layout, full: bool = False):
         """Resolved layout on the reduced graph's dims (the one the checks and dedup use), or
-        on the whole graph's with ``full``."""
-        info = self._named_full if full or self.reduced is None else self._named_red
-        return resolve_layout(info, layout, self.mesh)
+        on the whole graph's with ``full``. Cached by the layout (enumeration, placements and
+        bounds resolve one candidate's layout several times); callers only read the result."""
+        full = full or self.reduced is None
+        return self._memo(self._resolved, (full, tuple(layout.items())), lambda: resolve_layout(
+            self._named_full if full else self._named_red, layout, self.mesh))
+
+    def _memo(self, cache: dict, key, compute):
+        """``compute()``, cached in ``cache`` under ``key``; a LayoutError it raises is cached and
+        raised again (with a fresh traceback, so it does not grow per raise)."""
+        if key not in cache:
+            try:
+                cache[key] = compute()
+            except self._LayoutError as e:
+                cache[key] = e
+        got = cache[key]
+        if isinstance(got, Exception):
+            raise got.with_traceback(None)
+        return got
 
     def _tensor_dims(self) -> list:
         """Distinct tensors' dims as leaf tuples (for the one-axis-one-dim check)."""
@@ -657,13 +674,10 @@ class SearchSpace:
     def _placed(self, cand: Candidate):
         """(input placements, data axes) of the candidate's layout. Cached by its axes."""
         if cand.axes not in self._places:
-            layout = cand.layout(self.names, self.extra)
-            r = self.reduced
-            if r is not None:
-                # identical blocks: a cut-away block's parameters are placed as the last kept one's
-                places = input_placements(r.graph, r.info, self._units(layout), self.mesh)
-            else:
-                places = input_placements(self.graph, self.info, self._units(layout, full=True), self.mesh)
+            # identical blocks: a cut-away block's parameters are placed as the last kept one's
+            resolved = self._units(cand.layout(self.names, self.extra), full=self.reduced is None)
+            per_axis = [self._axis_placements(resolved.units[a]) for a in self.mesh.names]
+            places = {n: tuple(p[n] for p in per_axis) for n in per_axis[0]} if per_axis else {}
             axes = data_axes([(places[i.name], self.mesh.names) for i in self._st_inputs
                                if i.kind == "user" and i.name in places])
             self._places[cand.axes] = (places, axes)
@@ -671,6 +685,17 @@ class SearchSpace:
         if cand.zero_stage and not axes:
             raise self._LayoutError("zero_stage needs a data axis (an axis splitting the batch)")
         return places, axes
+
+    def _axis_placements(self, units) -> dict:
+        """{tensor input: its placement on one axis splitting ``units``}. An input's entry on an
+        axis depends on that axis's units alone (``input_placements`` decides each axis apart,
+        and the size of the axis does not enter), so candidates and mesh shapes share these.
+        Raises LayoutError as ``input_placements`` does."""
+        r = self.reduced
+        graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+        return self._memo(self._shared, ("axis-placements", r is not None, tuple(units)), lambda: {
+            n: p[0] for n, p in input_placements(graph, info, Layout({}, {"axis": list(units)}, {}),
+                                                 Mesh({"axis": 1})).items()})
 
     def _full_state(self, cand: Candidate):
         """Placements, storage and data axes of the whole graph (no rewrite needed)."""
@@ -1169,17 +1194,25 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     peak) are skipped. ``progress(done, total, best)`` is called after each evaluation; with ``verbose``
     (or once the search has run 3 s) a progress line goes to stderr every 2 s."""
     t0 = time.perf_counter()
-    gc_was = gc.isenabled()
-    gc.disable()  # the rewrites allocate many short-lived cyclic objects; collect once at the end
+    # The search reads the rewritten graphs, never runs them: their GraphModules generate
+    # and compile Python code only if called (a third of a rewrite's time otherwise).
+    with _collector_paused(), warnings.catch_warnings(), lazy_programs():
+        # ops without a rule warn once, when the chosen plan is built, not per candidate
+        warnings.simplefilter("ignore", UnsupportedOpWarning)
+        return _search(space, keep, progress, verbose, refine, incumbent, t0)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off inside: the rewrites allocate many short-lived
+    cyclic objects, collected once when the outermost pause ends (a collection after each mesh
+    shape's search would traverse the same long-lived graphs again each time)."""
+    was = gc.isenabled()
+    gc.disable()
     try:
-        # The search reads the rewritten graphs, never runs them: their GraphModules generate
-        # and compile Python code only if called (a third of a rewrite's time otherwise).
-        with warnings.catch_warnings(), lazy_programs():
-            # ops without a rule warn once, when the chosen plan is built, not per candidate
-            warnings.simplefilter("ignore", UnsupportedOpWarning)
-            return _search(space, keep, progress, verbose, refine, incumbent, t0)
+        yield
     finally:
-        if gc_was:
+        if was:
             gc.enable()
 
 
@@ -1280,21 +1313,22 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
     shared: dict = {}  # the cut graph and one-axis records, the same for every mesh shape
     # balanced shapes first: they usually hold the best plans, which then prune the others
     order = sorted(meshes, key=lambda m: (max(m.axes.values()), list(meshes).index(m)))
-    for mesh in order:
-        try:
-            space = SearchSpace(graph, inputs, info, mesh, cm, train=train, constraints=constraints, shared=shared,
-                                memory_limit=memory_limit, zero_stage=zero_stage,
-                                reshard_after_forward=reshard_after_forward, display=display, bucket_mb=bucket_mb,
-                                units=units, checkpoint=checkpoint)
-        except LayoutError as e:
-            errors.append(e)
-            continue
-        r = search_layout(space, keep=keep, verbose=verbose, incumbent=incumbent)
-        incumbent += [e.cost.step_time for e in ([r.best] if r.best else []) + r.alternatives]
-        if verbose and len(meshes) > 1:
-            print(f"[autoshard] mesh {mesh}: " + (f"best {r.best.cost.step_time * 1e3:.3f} ms" if r.best else "no plan"),
-                  file=sys.stderr, flush=True)
-        results.append(r)
+    with _collector_paused():  # one collection after every mesh shape's search
+        for mesh in order:
+            try:
+                space = SearchSpace(graph, inputs, info, mesh, cm, train=train, constraints=constraints, shared=shared,
+                                    memory_limit=memory_limit, zero_stage=zero_stage,
+                                    reshard_after_forward=reshard_after_forward, display=display, bucket_mb=bucket_mb,
+                                    units=units, checkpoint=checkpoint)
+            except LayoutError as e:
+                errors.append(e)
+                continue
+            r = search_layout(space, keep=keep, verbose=verbose, incumbent=incumbent)
+            incumbent += [e.cost.step_time for e in ([r.best] if r.best else []) + r.alternatives]
+            if verbose and len(meshes) > 1:
+                print(f"[autoshard] mesh {mesh}: " + (f"best {r.best.cost.step_time * 1e3:.3f} ms" if r.best else "no plan"),
+                      file=sys.stderr, flush=True)
+            results.append(r)
     if not results:
         raise errors[0]
     ranked = sorted([e for r in results for e in ([r.best] if r.best else []) + r.alternatives],

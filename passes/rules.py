@@ -775,9 +775,23 @@ DECOMPOSITIONS = {
 
 def is_inplace(op) -> bool:
     """Whether an aten op writes into its first argument (``add_``, ``copy_``, ``index_put_``)."""
+    try:
+        return _INPLACE[op]  # read from the schema once per op: the rewrite asks per node
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable
+        return _schema_writes_first(op)
+    _INPLACE[op] = got = _schema_writes_first(op)
+    return got
+
+
+def _schema_writes_first(op) -> bool:
     schema = getattr(op, "_schema", None)
     first = schema.arguments[0] if schema is not None and schema.arguments else None
     return bool(first is not None and first.alias_info is not None and first.alias_info.is_write)
+
+
+_INPLACE: dict = {}  # op -> is_inplace(op)
 
 
 def _is_view(node: fx.Node) -> bool:

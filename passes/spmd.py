@@ -210,14 +210,18 @@ class _Rewriter:
         self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
         self.soft_gathers: dict = {}  # (local node, axis) -> its one gather (soft entries)
         self.tag = 0
+        self.unit_memo: dict = {}  # (leaves, axis, soft) -> unit (the layout is fixed for one rewrite)
 
     # ------------------------------------------------------------------ layout queries
     def unit_of(self, atoms, axis, soft=False) -> Optional[tuple]:
         lv = self.info.leaves(atoms)
-        for u in (self.layout.soft.get(axis, ()) if soft else self.layout.units[axis]):
-            if lv[: len(u)] == u:
-                return u
-        return None
+        key = (lv, axis, soft)
+        memo = self.unit_memo
+        if key in memo:  # asked for every dim of every value, per axis: memoized by its leaves
+            return memo[key]
+        memo[key] = next((u for u in (self.layout.soft.get(axis, ()) if soft else self.layout.units[axis])
+                          if lv[: len(u)] == u), None)
+        return memo[key]
 
     def desired(self, node: fx.Node, out: int = 0) -> tuple:
         dims = self.info.of(node, out)
