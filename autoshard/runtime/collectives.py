@@ -683,3 +683,5 @@ COLLECTIVES = {
     "recv": recv,
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()
+# Functions a program calls that are not collectives of their own (no adjoint, no comment).
+PROGRAM_HELPERS = (start_all_reduce,)
