@@ -14,7 +14,7 @@ its ops together), and only if nothing in the program writes into a tensor they 
 
 Example::
 
-    n = start_sums_early(program.graph_module.graph)   # number of all-reduces started early
+    tags = start_sums_early(program.graph_module.graph)   # the all-reduces started early
     program.graph_module.recompile()
 """
 from __future__ import annotations
@@ -68,14 +68,18 @@ def _cone(x: fx.Node) -> list | None:
     return sorted(seen, key=order.__getitem__)
 
 
-def start_sums_early(graph: fx.Graph) -> int:
+EARLY = "; started as soon as its inputs exist, so it runs under the forward in between"
+
+
+def start_sums_early(graph: fx.Graph) -> list:
     """Start each forward ``all_reduce`` of a value without gradient right after the value's
-    inputs exist (see the module docstring); returns how many were moved."""
+    inputs exist (see the module docstring); returns the tags of those started early (their
+    reasons end with :data:`EARLY`)."""
     memo: dict = {}
     written = [_roots(n.args[0], memo) for n in graph.nodes
                if n.op == "call_function" and is_inplace(n.target) and isinstance(n.args[0], fx.Node)]
     last_input = [n for n in graph.nodes if n.op in ("placeholder", "get_attr")][-1:]
-    moved = 0
+    moved = []
     for node in list(graph.nodes):
         if node.target is not C.all_reduce or node.meta.get("autoshard", {}).get("grad", True):
             continue
@@ -90,5 +94,6 @@ def start_sums_early(graph: fx.Graph) -> int:
                 anchor.append(n)
         with graph.inserting_after(x):
             graph.call_function(C.start_all_reduce, (x, axis), {"tag": node.kwargs["tag"]})
-        moved += 1
+        node.meta["autoshard"]["why"] += EARLY
+        moved.append(node.kwargs["tag"])
     return moved

@@ -18,7 +18,7 @@ from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, sli
 from autoshard.runtime.buckets import assign_buckets
 
 from . import context as cp
-from .early_sums import start_sums_early
+from .early_sums import EARLY, start_sums_early
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, rewrite
 from .units import group_units
@@ -86,8 +86,12 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
     program.collectives += bucket_collectives(program, bucket_axis, params, display,
                                               int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
-    if early_sums and start_sums_early(program.graph_module.graph):
+    early = start_sums_early(program.graph_module.graph) if early_sums else []
+    if early:
         program.graph_module.recompile()
+        for c in program.collectives:
+            if c.tag in early and c.phase == "forward":
+                c.why += EARLY
     return program, axes
 
 

@@ -116,7 +116,8 @@ def test_token_count_is_summed_before_the_model_runs():
     code = plan.graph_module.code
     assert code.index("start_all_reduce") < code.index("embedding")
     forward_sums = [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_reduce"]
-    assert len(forward_sums) == 2  # still listed, with their reasons
+    assert len(forward_sums) == 2  # still listed, with their reasons; the count's says it starts early
+    assert [c.bytes for c in forward_sums if "started as soon as its inputs exist" in c.why] == [8]
     train_matches_single_device(plan, model)
     trace = plan.last_trace[0]
     fwd = [r for r in trace if r.phase == "forward"]
