@@ -4,12 +4,13 @@ A mean loss over a batch split on a data axis divides by the number of counted t
 every rank: ``sum(labels != ignore_index)`` is a pending sum, all-reduced where the division
 reads it, at the very end of forward, where it waits for the slowest rank. The count depends
 on the labels alone and carries no gradient, so its all-reduce can start before the model
-runs: this pass moves the ops computing such a value up to just after their inputs and puts a
-``start_all_reduce`` right behind them; the ``all_reduce`` node stays where it was (so
-``plan.collectives`` and the program read as before) and only waits for the sum already made.
-Values are unchanged bit for bit: the same all-reduce of the same tensor, started earlier.
+runs: this pass copies the (cheap) ops computing such a value to just after their inputs and
+puts a ``start_all_reduce`` right behind the copy; the ``all_reduce`` node and the ops feeding
+it stay where they were (so ``plan.collectives``, the program and its cost read as before: the
+cost model skips the copies) and the node only waits for the sum already made. Values are
+unchanged bit for bit: the same all-reduce of the same deterministic value, started earlier.
 
-Only deterministic, non-mutating ops outside repeated blocks move (a checkpointed block keeps
+Only deterministic, non-mutating ops outside repeated blocks are copied (a checkpointed block keeps
 its ops together), and only if nothing in the program writes into a tensor they read.
 
 Example::
@@ -68,6 +69,7 @@ def _cone(x: fx.Node) -> list | None:
     return sorted(seen, key=order.__getitem__)
 
 
+EARLY_COPY = "early_sum"  # meta key of the copied ops and the start (the cost model skips them)
 EARLY = "; started as soon as its inputs exist, so it runs under the forward in between"
 
 
@@ -87,13 +89,18 @@ def start_sums_early(graph: fx.Graph) -> list:
         cone = _cone(x)
         if cone is None or any(r & _roots(x, memo) for r in written):
             continue
+        copies: dict = {}
         for n in cone:
             order = {m: k for k, m in enumerate(graph.nodes)}
-            anchor = max(n.all_input_nodes, key=order.__getitem__, default=last_input[0] if last_input else None)
-            if anchor is not None and order[anchor] + 1 < order[n]:
-                anchor.append(n)
-        with graph.inserting_after(x):
-            graph.call_function(C.start_all_reduce, (x, axis), {"tag": node.kwargs["tag"]})
+            # after the program's inputs (placeholders come first) and the copy's own inputs
+            anchor = max([copies.get(a, a) for a in n.all_input_nodes] + last_input, key=order.__getitem__,
+                         default=None)
+            with graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(n):
+                copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
+            copies[n].meta[EARLY_COPY] = True
+        with graph.inserting_after(copies.get(x, x)):
+            start = graph.call_function(C.start_all_reduce, (copies.get(x, x), axis), {"tag": node.kwargs["tag"]})
+        start.meta[EARLY_COPY] = True
         node.meta["autoshard"]["why"] += EARLY
         moved.append(node.kwargs["tag"])
     return moved
