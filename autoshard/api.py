@@ -217,7 +217,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
                              reshard=True if reshard_after_forward is None else reshard_after_forward,
                              bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
-                             context=context_options)
+                             context=context_options, early_sums=pipe is None)
 
     context_options = dict(context or {})
     if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses

@@ -43,6 +43,7 @@ from typing import Any, Optional
 import torch
 
 from autoshard.ownership import held_fraction, slice_dim_for
+from autoshard.passes.early_sums import EARLY_COPY
 from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.buckets import assign_buckets
 from autoshard.runtime.collectives import backward_collective
@@ -361,8 +362,8 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
         pend[0] = pend[1] = 0.0
 
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is _GETITEM:
-            continue
+        if node.op != "call_function" or node.target is _GETITEM or node.meta.get(EARLY_COPY):
+            continue  # (a forward sum's early start is costed where its all_reduce waits)
         block = block_of_module(_module_of_local(node))
         if cur is None or block != cur.block:
             flush()

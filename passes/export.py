@@ -176,7 +176,8 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
         if node.op == "call_function":
             node.args = fx.node.map_aggregate(node.args, swap_device)
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap_device)
-    collective_fns = {fn: fn.__name__ for fn in C.COLLECTIVES.values()}
+    # collectives (commented) and the runtime helpers programs call, imported by their names
+    collective_fns = {fn: fn.__name__ for fn in [*C.COLLECTIVES.values(), *C.PROGRAM_HELPERS]}
     by_name = {m["name"]: m for m in inputs_meta}
     place_by_name = {m["name"]: ownership.parse(m["placement"]) for m in inputs_meta if m.get("placement")}
     comments = []
@@ -199,7 +200,7 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
         indent = line[: len(line) - len(line.lstrip())]
         if node is not None and node.op == "call_function" and node not in seen:
             seen.add(node)
-            if node.target in collective_fns:
+            if node.target in collective_fns and node.target.__name__ in C.COLLECTIVES:
                 body.extend(indent + c for c in _collective_comment(node))
             else:
                 mod = module_of(node)

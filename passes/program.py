@@ -18,6 +18,7 @@ from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, sli
 from autoshard.runtime.buckets import assign_buckets
 
 from . import context as cp
+from .early_sums import EARLY, start_sums_early
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, rewrite
 from .units import group_units
@@ -47,13 +48,15 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
 
 
 def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
-                  bucket_mb: float, display: dict, units="block", context=None):
+                  bucket_mb: float, display: dict, units="block", context=None, early_sums: bool = False):
     """The per-rank program of a resolved layout with a state-sharding level: the data axes
     (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
     sharding and gradient buckets that the forward program does not show; ZeRO-3 gathers are
     grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`); attention over a split
     sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
-    ``context``). Returns
+    ``context``). ``early_sums``: start forward sums without a gradient as soon as their inputs
+    exist (:mod:`autoshard.passes.early_sums`; not for pipeline stages, which the program is
+    cut into by its order). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
@@ -83,6 +86,12 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
     program.collectives += bucket_collectives(program, bucket_axis, params, display,
                                               int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
+    early = start_sums_early(program.graph_module.graph) if early_sums else []
+    if early:
+        program.graph_module.recompile()
+        for c in program.collectives:
+            if c.tag in early and c.phase == "forward":
+                c.why += EARLY
     return program, axes
 
 

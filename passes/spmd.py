@@ -48,6 +48,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
+from .grad_regions import bucketable_region, use_kind
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, aliases_read_later, get_path,
                     is_inplace, is_tensor_node, shape_of)
@@ -193,7 +194,8 @@ class _Rewriter:
         # the data axis lose their mark_varying there; GradBuckets sums their gradients instead.
         self.bucket_axis = bucket_axis
         self.bucket_uses: dict = {name: set() for name in (bucket_candidates or ())}
-        self.bucket_marks: dict = {}  # placeholder name -> its mark_varying nodes on that axis
+        self.bucket_marks: dict = {}  # value name -> its mark_varying nodes on that axis
+        self.grad_uses: dict = {}  # gradient-carrying node -> [(reader, kind on that axis)] (grad_regions)
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -265,6 +267,9 @@ class _Rewriter:
         varying = frozenset(varying) if needs_grad else frozenset()
         if src.name in self.bucket_uses:
             self.bucket_uses[src.name].add(self.bucket_axis in varying)
+        if needs_grad and self.bucket_axis is not None:
+            i = self.axes.index(self.bucket_axis)
+            self.grad_uses.setdefault(src, []).append((consumer, use_kind(cur[i], target[i], self.bucket_axis in varying)))
         key = (src, out, target, varying)
         if key in self.cache:
             return self.cache[key]
@@ -384,8 +389,8 @@ class _Rewriter:
             nbytes = val.numel() * val.element_size()
         if val is not None:
             new.meta["val"] = self.converted_val(val, fn.__name__, axis, extra)
-        new.meta["autoshard"] = {"where": module_of(consumer), "why": reason, "tag": tag}
-        if fn is C.mark_varying and axis == self.bucket_axis and src.name in self.bucket_uses:
+        new.meta["autoshard"] = {"where": module_of(consumer), "why": reason, "tag": tag, "grad": src in self.rg}
+        if fn is C.mark_varying and axis == self.bucket_axis:
             self.bucket_marks.setdefault(src.name, []).append(new)
         fwd, bwd = C.ADJOINTS[fn.__name__]
         where, line = module_of(consumer), source_line(consumer)
@@ -495,16 +500,20 @@ class _Rewriter:
                        dict(self.storage), use_places, bucketed)
 
     def take_bucketed(self) -> list:
-        """Drop the data-axis mark_varying of parameters used only by per-rank work there; they
-        are synchronized by gradient buckets. Returns them in the order their gradients become
-        ready (reverse order of first use)."""
+        """Drop the data-axis mark_varying of parameters used only by per-rank work there, and
+        of replicated regions computed from parameters alone (passes/grad_regions.py); the
+        parameters are synchronized by gradient buckets. Returns them in the order their
+        gradients become ready (reverse order of first use)."""
         first_use = {}
         for i, node in enumerate(self.g0.nodes):
             for a in node.all_input_nodes:
                 first_use.setdefault(a.name, i)
         names = [n for n, uses in self.bucket_uses.items() if uses == {True} and n in self.bucket_marks]
-        for name in names:
-            for mv in self.bucket_marks[name]:
+        region = bucketable_region(self.g0, self.rg, self.place, self.grad_uses, self.axes.index(self.bucket_axis),
+                                   self.bucket_uses) if self.bucket_axis is not None else set()
+        names += [n for n in self.bucket_uses if n in region and n not in names]
+        for name in sorted(set(names) | region):
+            for mv in self.bucket_marks.get(name, ()):
                 tag = mv.meta["autoshard"]["tag"]
                 mv.replace_all_uses_with(mv.args[0])
                 self.g.erase_node(mv)

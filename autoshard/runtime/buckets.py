@@ -94,13 +94,12 @@ class GradBuckets:
             self._launch(self.next)
             self.next += 1
         for k, handle in self.pending:
+            ps = [self.params[n] for n in self.buckets[k]]
             summed = handle.wait()
-            offset = 0
-            for n in self.buckets[k]:
-                p = self.params[n]
-                piece = summed[offset: offset + p.numel()].view_as(p).to(p.dtype)
-                offset += p.numel()
-                # a view of the bucket's private result replaces the local gradient: no copy
-                # (the flat buffer is new each step, so no two steps share it)
-                p.grad = piece
+            # a view of the bucket's private result replaces the local gradient: no copy
+            # (the flat buffer is new each step, so no two steps share it); mixed precision
+            # casts back from the reduce dtype
+            for p, piece in zip(ps, summed.split([p.numel() for p in ps])):
+                piece = piece.view(p.shape)
+                p.grad = piece if piece.dtype == p.dtype else piece.to(p.dtype)
         self._reset()

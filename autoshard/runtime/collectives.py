@@ -167,7 +167,10 @@ class _Collective(torch.autograd.Function):
     def forward(fctx, x, op, axis, dims, tag):
         rctx = current(f"autoshard collective {op}")
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
-        out = _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, _phase(rctx))
+        phase = _phase(rctx)
+        early = rctx.prefetched.pop(("all_reduce", tag), None) if op == "all_reduce" and phase == "forward" else None
+        out = early.wait() if early is not None else _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag,
+                                                          phase)
         if tag is not None and tag in rctx.reshard_tags:
             _register_reshard(rctx, out, _ParamSource(x.detach(), axis, dims, tag))
         return out
@@ -245,6 +248,27 @@ def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tens
         y = all_reduce(x_partial, "tp")     # every tp rank now holds the sum
     """
     return _apply("all_reduce", x, axis, (), tag)
+
+
+def start_all_reduce(x: torch.Tensor, axis: str, tag: int) -> None:
+    """Start the forward sum of ``x`` that the ``all_reduce`` node tagged ``tag`` returns, so it
+    runs under the compute in between; that node then waits for it instead of sending ``x``.
+    Only for values without a gradient whose inputs are ready early (a loss's token count,
+    placed by ``passes/early_sums.py``). Outside forward (a recompute in backward) it does
+    nothing and the ``all_reduce`` runs as usual.
+
+    Example::
+
+        start_all_reduce(count, "dp", tag=7)   # right after count is computed
+        ...                                    # the forward's compute
+        total = all_reduce(count, "dp", tag=7)  # waits for the sum started above
+    """
+    rctx = current("autoshard collective start_all_reduce")
+    rctx.mesh.check_axis(axis)
+    if _phase(rctx) != "forward" or rctx.mesh.axis_size(axis) == 1:
+        return
+    rctx.prefetched[("all_reduce", tag)] = _call_backend(rctx, "all_reduce_async", "all_reduce", x.detach(), axis, (),
+                                                         "all_reduce", tag, "forward")
 
 
 def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
@@ -692,3 +716,5 @@ COLLECTIVES = {
     "recv": recv,
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()
+# Functions a program calls that are not collectives of their own (no adjoint, no comment).
+PROGRAM_HELPERS = (start_all_reduce,)

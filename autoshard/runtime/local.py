@@ -288,8 +288,10 @@ class ShardedOptimizer:
                 full.copy_(all_gather(shard, axis, d))
 
     def zero_grad(self, set_to_none: bool = True):
-        self.inner.zero_grad(set_to_none=set_to_none)
-        self.local.zero_grad(set_to_none=set_to_none)
+        if self.slices or self.masters or not set_to_none:
+            # the inner optimizer steps tensors of its own (ZeRO-1 slices, fp32 masters)
+            self.inner.zero_grad(set_to_none=set_to_none)
+        self.local.zero_grad(set_to_none=set_to_none)  # otherwise its parameters are the inner's
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (per-element buffers and fp32 master copies;

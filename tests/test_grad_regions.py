@@ -1,0 +1,124 @@
+"""Data-parallel gradient sync of replicated regions (passes/grad_regions.py) and forward sums
+started early (passes/early_sums.py): fewer synchronous collectives, the same training."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import Mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from exactness import reference_train  # noqa: E402
+
+VOCAB, SEQ, DIM = 16, 8, 12
+
+
+class PosModel(nn.Module):
+    """Token + position embeddings (the position one is looked up at ``arange(seq)``: replicated
+    work feeding per-rank work), a scale read both ways, a mean cross-entropy. ``aux``: add a
+    replicated term of the position table to the loss (its gradient comes in whole)."""
+
+    def __init__(self, aux=False):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Embedding(SEQ, DIM)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.out = nn.Linear(DIM, VOCAB)
+        self.aux = aux
+
+    def forward(self, ids, labels):
+        p = self.pos(torch.arange(ids.shape[1])) * self.scale
+        h = torch.tanh(self.tok(ids) * self.scale + p)
+        loss = F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten())
+        return loss + 0.1 * (p ** 2).mean() if self.aux else loss
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    labels[0, :5] = -100  # rank 0 counts fewer tokens than rank 1
+    return ids, labels
+
+
+DIMS = {"ids": "batch seq", "labels": "batch seq"}
+
+
+def plan_for(model, args, **options):
+    torch.manual_seed(0)
+    return autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=DIMS, layout={"batch": "dp"}, train=True,
+                               zero_stage=0, **options)
+
+
+def bucketed(plan) -> set:
+    names = {i.name: i.target for i in plan.captured.inputs}
+    return {names[n] for _, ns in plan.program.buckets for n in ns}
+
+
+def syncs_on_dp(plan) -> list:
+    return [c for c in plan.collectives if c.op == "mark_varying" and c.axes == ("dp",)]
+
+
+def train_matches_single_device(plan, model, microbatches=1):
+    steps = [batch(s) for s in range(3)]
+    if microbatches > 1:
+        steps = [[tuple(t[i::2] for t in b) for i in range(2)] for b in steps]
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=microbatches)
+    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=microbatches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 1e-4], ids=["one-bucket", "per-param"])
+def test_position_table_is_summed_in_the_buckets(bucket_mb):
+    model = PosModel()
+    plan = plan_for(model, batch(), bucket_mb=bucket_mb)
+    # every parameter, including the ones only replicated work reads, is in a bucket; no
+    # synchronous gradient sum is left in the program
+    assert bucketed(plan) == {n for n, _ in model.named_parameters()}
+    assert syncs_on_dp(plan) == []
+    assert "mark_varying" not in plan.graph_module.code
+    train_matches_single_device(plan, model)
+
+
+def test_buckets_of_a_region_under_gradient_accumulation():
+    model = PosModel()
+    ids, labels = batch()
+    plan = plan_for(model, (ids[0::2], labels[0::2]))
+    assert syncs_on_dp(plan) == []
+    train_matches_single_device(plan, model, microbatches=2)
+
+
+def test_region_with_a_whole_gradient_keeps_its_sum():
+    """The auxiliary term reads the replicated value outside per-rank work: its gradient is the
+    same on every rank, so summing it in a bucket would count it twice. The region (position
+    table and scale, linked through their product) keeps its synchronous sum."""
+    model = PosModel(aux=True)
+    plan = plan_for(model, batch())
+    assert {"pos.weight", "scale"}.isdisjoint(bucketed(plan))
+    assert {"tok.weight", "out.weight", "out.bias"} <= bucketed(plan)
+    assert syncs_on_dp(plan)
+    train_matches_single_device(plan, model)
+
+
+def test_token_count_is_summed_before_the_model_runs():
+    """The mean's token count depends on the labels alone: its all-reduce starts before the
+    first op of the model, the loss's sum still ends forward; the loss is exact although the
+    ranks count different numbers of tokens."""
+    model = PosModel()
+    plan = plan_for(model, batch())
+    code = plan.graph_module.code
+    assert code.index("start_all_reduce") < code.index("embedding")
+    forward_sums = [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_reduce"]
+    assert len(forward_sums) == 2  # still listed, with their reasons; the count's says it starts early
+    assert [c.bytes for c in forward_sums if "started as soon as its inputs exist" in c.why] == [8]
+    train_matches_single_device(plan, model)
+    trace = plan.last_trace[0]
+    fwd = [r for r in trace if r.phase == "forward"]
+    assert [r.dtype for r in fwd[:2]] == [torch.int64, torch.float32]
