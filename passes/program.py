@@ -12,6 +12,8 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, slice_dim_for
@@ -20,7 +22,7 @@ from autoshard.runtime.buckets import assign_buckets
 from . import context as cp
 from .early_sums import EARLY, start_sums_early
 from .experts import find_expert_regions, lowerings, owned_placements
-from .spmd import Collective, LayoutError, input_placements, rewrite
+from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
 from .units import group_units
 
 
@@ -76,9 +78,12 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard, owned) if zero_stage else {}
     bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
     moe: list = []  # one RegionPlan per MoE layer, filled by the rewrite
-    program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
-                      bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
-                      regions={**lowerings(regions, moe), **cp.lowerings(ctx)}, fixed=owned)
+    # start_sums_early edits the rewritten graph: rewrite lazily then, so the Python code is
+    # generated once, for the final graph (on first use, or when a Plan is made), not twice.
+    with lazy_programs() if early_sums else contextlib.nullcontext():
+        program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
+                          bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
+                          regions={**lowerings(regions, moe), **cp.lowerings(ctx)}, fixed=owned)
     program.experts = moe
     program.context = ctx
     if zero_stage == 3:
