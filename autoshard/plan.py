@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,9 @@ class Unsharded:
                 f"in {self.where or '<root>'} at {self.line}: {self.why}")
 
 
+_RANK_SPEC_LOCK = threading.Lock()
+
+
 @dataclass
 class Plan:
     model: torch.nn.Module
@@ -67,15 +71,6 @@ class Plan:
     _rank_spec: object = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
     example_inputs: object = field(default=None, repr=False)
-
-    def __post_init__(self):
-        # A program rewritten inside lazy_programs() generates its Python code on its first call.
-        # Generate it now, while one thread owns the plan: fx's code generation is not thread-safe,
-        # and simulated ranks (threads) calling a lazy program at once can get a forward that reads
-        # a value before the line that computes it.
-        gm = getattr(self.program, "graph_module", None)
-        if isinstance(gm, _LazyGraphModule):
-            gm.real_recompile()
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -228,8 +223,13 @@ class Plan:
 
     def rank_spec(self) -> RankSpec:
         """What a rank needs to run this plan's program, without the planner."""
-        if self._rank_spec is not None:
-            return self._rank_spec
+        if self._rank_spec is None:
+            with _RANK_SPEC_LOCK:  # simulated ranks (threads) ask at once: one makes it
+                if self._rank_spec is None:
+                    self._rank_spec = self._new_rank_spec()
+        return self._rank_spec
+
+    def _new_rank_spec(self) -> RankSpec:
         prog, mesh, cap = self.program, self.mesh, self.captured
         slots = []
         for name, kind, i in prog.placeholders:
@@ -250,11 +250,14 @@ class Plan:
         if self.checkpoint:
             users = {i.name for i in cap.inputs if i.kind == "user"}
             forward = checkpoint_blocks(forward, users, set(self.checkpoint))[0]
-        self._rank_spec = RankSpec(mesh, forward, slots, list(self.data_axes), prog.reshard_tags,
-                                   list(prog.buckets), cap.flatten_args,
-                                   lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
-                                   getattr(self, "reduce_dtype", None))
-        return self._rank_spec
+        # A program rewritten lazily (the search, the final build) or a lazy one's checkpointed
+        # copy generates its Python code on its first call. Generate it here, in one thread: fx's
+        # code generation is not thread-safe, and ranks making that first call at once can get a
+        # forward that reads a value before the line that computes it.
+        _LazyGraphModule.force_recompile(forward)
+        return RankSpec(mesh, forward, slots, list(self.data_axes), prog.reshard_tags, list(prog.buckets),
+                        cap.flatten_args, lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
+                        getattr(self, "reduce_dtype", None))
 
     def optimizer(self, local: LocalModule, optimizer_cls, **kwargs) -> ShardedOptimizer:
         """The optimizer for ``local``: ``optimizer_cls(params, **kwargs)`` over this rank's

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 import autoshard
 from autoshard import Mesh
@@ -140,3 +141,15 @@ def test_checkpoint_needs_training():
     model, args, dims = llama_tiny(with_labels=True)
     with pytest.raises(ValueError, match="train=True"):
         autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"}, checkpoint=True)
+
+
+def test_the_checkpointed_copy_of_a_lazily_built_program_is_generated_before_ranks_call_it():
+    """The final build rewrites lazily when it starts forward sums early, and the checkpointed
+    copy of a lazy program is lazy too: the rank spec generates its code once, before the
+    simulated ranks (threads) call it (fx's code generation is not thread-safe)."""
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = plan_for(model, args, dims, *DP, checkpoint=True)
+    assert plan.checkpoint
+    forward = plan.rank_spec().forward
+    assert forward is not plan.program.graph_module
+    assert not (isinstance(forward, _LazyGraphModule) and type(forward)._needs_recompile())
