@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from autoshard.ownership import Shard, local_piece
-from autoshard.runtime import DistributedBackend, current
+from autoshard.runtime import current
 from autoshard.runtime.checkpoint import all_gather_objects
 from autoshard.runtime.local import ShardedOptimizer
 from autoshard.runtime.pipeline import BoundarySpec, PipelineRank, PipelineSpec, StageSpec, split_microbatches
@@ -287,14 +286,7 @@ def write_timeline(pp: PipelineProgram, path, say=lambda msg: None) -> dict:
 
         write_timeline(pp, "timeline.json", say)     # after rank_loop or train_loop
     """
-    mine = pp.pipe.measured()
-    if isinstance(current("write_timeline").backend, DistributedBackend):
-        # torch.distributed's object gather moves the bytes to the GPU where nccl needs them
-        rows = [None] * pp.mesh.size
-        dist.all_gather_object(rows, mine)
-    else:
-        rows = all_gather_objects(mine)
-    rows = dict(enumerate(rows))
+    rows = dict(enumerate(all_gather_objects(pp.pipe.measured())))
     if pp.rank == 0:
         Path(path).write_text(json.dumps(measured_trace(rows, pp.mesh, pp.spec.axis)))
         say(f"wrote the measured timeline of the last step ({sum(map(len, rows.values()))} actions on "

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
@@ -54,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..ownership import Owned, Shard, block_index, holds
 from .context import current
+from .distributed import DistributedBackend
 
 FORMAT, VERSION = "autoshard-checkpoint", 1
 MANIFEST = "autoshard.json"
@@ -234,7 +236,13 @@ def _all_gather_bytes(payload: bytes) -> list:
 
 
 def all_gather_objects(obj) -> list:
-    """Every rank's picklable ``obj``, in rank order (call on every rank)."""
+    """Every rank's picklable ``obj``, in rank order (call on every rank). On torch.distributed
+    it is torch's own object gather (global rank order is the mesh's row-major order, which
+    ``DistributedBackend`` checks), which moves the bytes to the GPU where nccl needs them."""
+    if isinstance(current("checkpoint").backend, DistributedBackend):
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, obj)
+        return rows
     return [pickle.loads(b) for b in _all_gather_bytes(pickle.dumps(obj))]
 
 
