@@ -25,7 +25,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 import warnings
@@ -34,14 +33,8 @@ from typing import Optional
 
 import torch
 from torch import fx
-
-try:  # GraphModules that generate their Python code on first run or print (torch >= 2.3)
-    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
-except ImportError:  # pragma: no cover
-    _make_graph_module = fx.GraphModule
-
-    def _use_lazy_graph_module(should_use):
-        return contextlib.nullcontext()
+# GraphModules that generate their Python code on first run or print
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
 from autoshard.runtime import collectives as C
