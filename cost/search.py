@@ -437,6 +437,10 @@ class SearchSpace:
         else:
             self._st_inputs, self._st_counts = list(self.inputs), [1] * len(self.inputs)
         self._st_grad = {i.name for i in self._st_inputs if i.kind == "parameter" and i.trainable}
+        # what the state and optimizer bounds read of a candidate (_held_key), and their results by it
+        self._held_names = [i.name for i in self._st_inputs if i.kind in ("parameter", "buffer", "constant")]
+        self._mb_state: dict = {}
+        self._ob_shared: dict = {}
         self._prepare_bounds()
 
     # ------------------------------------------------------------------ enumeration
@@ -869,9 +873,6 @@ class SearchSpace:
         axis the stage uses, and the placements of the parameters, buffers and constants
         (the storage follows from them). Raises LayoutError as :meth:`_full_state` does."""
         places, axes = self._placed(cand)
-        if not hasattr(self, "_held_names"):
-            self._held_names = [i.name for i in self._st_inputs if i.kind in ("parameter", "buffer", "constant")]
-            self._mb_state, self._ob_shared = {}, {}
         return (cand.zero_stage, cand.reshard if cand.zero_stage == 3 else None, axes[0] if cand.zero_stage else None,
                 tuple(places.get(n) for n in self._held_names))
 
