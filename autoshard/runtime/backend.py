@@ -113,13 +113,17 @@ class Backend:
 
 
 class Pending:
-    """An all-reduce in flight (``work`` from torch.distributed) or already done."""
+    """A collective in flight (``work`` from torch.distributed) or already done. ``finish``,
+    if given, turns what ``work`` received into the result once it is waited for (e.g. the
+    local sum of a reduce-scatter run as an all-to-all)."""
 
-    def __init__(self, result: torch.Tensor, work=None):
-        self.result, self.work = result, work
+    def __init__(self, result: torch.Tensor, work=None, finish=None):
+        self.result, self.work, self.finish = result, work, finish
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.finish is not None:
+            self.result, self.finish = self.finish(self.result), None
         return self.result

@@ -14,9 +14,11 @@ receive ahead of the ``recv`` that reads it, so the data can land while this ran
 NCCL ignores tags and matches messages between two ranks in the order they were posted; the
 pipeline schedules post them in matching order, but that path has not been run here.
 
-Values equal the simulated backend's except for the order of floating-point summation, which
-gloo/nccl choose (ring, halving-doubling, ...): expect relative differences around
-``n * eps`` (fp32: ~1e-6 with 4 ranks); gathers and all-to-all are bit-exact.
+Values equal the simulated backend's except for the order of floating-point summation in
+all-reduces (and reduce-scatters on nccl), which gloo/nccl choose (ring, halving-doubling, ...):
+expect relative differences around ``n * eps`` (fp32: ~1e-6 with 4 ranks); gathers and
+all-to-all are bit-exact, and so are reduce-scatters on gloo, which run as an all-to-all and a
+sum in rank order (faster there than gloo's own reduce-scatter).
 
 Example (inside a process started by torchrun or :func:`autoshard.runtime.launch.spawn`)::
 
@@ -75,6 +77,16 @@ def _timeout_override(mesh, timeout):
     return override or None
 
 
+def _sum_blocks(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The sum of the ``n`` equal blocks of dim 0 of ``rows``, left to right (rank order, as
+    the simulated backend sums)."""
+    blocks = rows.chunk(n, 0)
+    out = blocks[0].clone() if n == 1 else blocks[0] + blocks[1]
+    for b in blocks[2:]:
+        out += b
+    return out
+
+
 class DistributedBackend(Backend):
     """Collectives over the process groups of ``device_mesh`` (built if not given).
 
@@ -106,7 +118,7 @@ class DistributedBackend(Backend):
         self._world = dist.group.WORLD
         # gloo matches point-to-point messages by tag, so receives can be posted in any order;
         # nccl matches them in posting order, which ahead-of-time posting would change.
-        self._by_tag = dist.get_backend() == "gloo"
+        self._by_tag = self._gloo = dist.get_backend() == "gloo"
         self.groups = {axis: device_mesh.get_group(axis) for axis in mesh.names}
         # Both layouts are row-major over the axes; check rather than assume.
         rank = dist.get_rank()
@@ -147,11 +159,27 @@ class DistributedBackend(Backend):
     def reduce_scatter_async(self, x, axis, dim):
         if dim != 0:
             return super().reduce_scatter_async(x, axis, dim)
-        s = check_divisible(x, axis, dim, self.mesh.axis_size(axis), "reduce_scatter")
-        front = x.detach().contiguous()
-        out = front.new_empty((s,) + front.shape[1:])
-        return Pending(out, _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=self.groups[axis],
-                                              async_op=True))
+        check_divisible(x, axis, dim, self.mesh.axis_size(axis), "reduce_scatter")
+        return self._start_reduce_scatter(x.detach().contiguous(), axis, async_op=True)
+
+    def _start_reduce_scatter(self, front, axis, async_op):
+        """Sum-reduce-scatter of dim 0 of the contiguous ``front``; a ``Pending``.
+
+        On gloo it runs as an all-to-all (block ``j`` of every rank to rank ``j``) and a local
+        sum of the ``n`` received blocks in rank order: the same bytes on the wire as a ring
+        reduce-scatter, several times faster than gloo's own (measured: 12.6 MB on 2 / 4
+        processes, 14 vs 31 ms / 19 vs 71 ms), and the sum order is the simulated backend's,
+        so results equal the simulation bit for bit at any group size. The cost: the ``n``
+        blocks are received whole (a buffer the size of the input) until the sum."""
+        n = self.mesh.axis_size(axis)
+        group = self.groups[axis]
+        if not self._gloo:
+            out = front.new_empty((front.shape[0] // n,) + front.shape[1:])
+            # (work is None when not async_op)
+            return Pending(out, _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
+        received = torch.empty_like(front)
+        work = dist.all_to_all_single(received, front, group=group, async_op=async_op)
+        return Pending(received, work, finish=lambda rows: _sum_blocks(rows, n))
 
     def all_gather(self, x, axis, dim):
         n = self.mesh.axis_size(axis)
@@ -161,11 +189,9 @@ class DistributedBackend(Backend):
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x, axis, dim):
-        n = self.mesh.axis_size(axis)
-        s = check_divisible(x, axis, dim, n, "reduce_scatter")
+        check_divisible(x, axis, dim, self.mesh.axis_size(axis), "reduce_scatter")
         front = x.detach().movedim(dim, 0).contiguous()
-        out = front.new_empty((s,) + front.shape[1:])
-        _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=self.groups[axis])
+        out = self._start_reduce_scatter(front, axis, async_op=False).wait()
         return out.movedim(0, dim).contiguous()
 
     def all_to_all(self, x, axis, scatter_dim, gather_dim):
