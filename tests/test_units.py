@@ -111,3 +111,33 @@ def test_gradient_accumulation_with_units_is_exact():
             assert len(rs) == 2 * len(plan.program.units)  # 2 steps, the second microbatch of each
     assert out["param"][0] == out["block"][0]
     assert all(torch.equal(out["param"][1][k], v) for k, v in out["block"][1].items())
+
+
+def test_backward_prefetch_looks_past_a_small_unit():
+    """Resharded units gathered again in backward: when the next unit backward needs is small
+    (a final norm), the big one after it is started as well, before backward reaches it."""
+    from autoshard.runtime import current, reshard_after_forward
+
+    torch.manual_seed(0)
+    wa, wb, wc, x = torch.randn(8, 8), torch.randn(8), torch.randn(8, 8), torch.randn(4, 8)
+
+    def body(rank):
+        ctx = current()
+        ctx.reshard_tags = frozenset({1, 2, 3})
+        sa, sb, sc = (torch.nn.Parameter(w.chunk(2, 0)[rank].clone()) for w in (wa, wb, wc))
+        xr = x.clone().requires_grad_()  # so that every product saves its parameter
+        started = []
+        with reshard_after_forward():
+            (a,) = gather_unit((sa,), "dp", (0,), tag=1)
+            h1 = xr @ a
+            (b,) = gather_unit((sb,), "dp", (0,), tag=2)
+            h2 = h1 * b
+            (c,) = gather_unit((sc,), "dp", (0,), tag=3)
+            # fires once c's product has been differentiated, before b's is reached
+            h2.register_hook(lambda g: started.extend(
+                r.tag for r in ctx.trace if r.phase == "backward" and r.kind == "all_gather"))
+            (h2 @ c).pow(2).sum().backward()
+        return started
+
+    for started in run_simulated(Mesh({"dp": 2}), body):
+        assert started == [3, 2, 1]

@@ -515,14 +515,13 @@ def post_gradient_recv(x: torch.Tensor, axis: str, peer: int, message: int) -> N
 class _ParamSource:
     """One parameter gathered by ``all_gather_varying``: what resharding gathers again."""
 
+    size = None  # not prefetched: single parameters are gathered when backward reads them
+
     def __init__(self, shard, axis, dims, tag):
         self.shard, self.axis, self.dims, self.tag = shard, axis, dims, tag
 
     def regather(self, rctx, pending=None) -> list:
         return [_run(rctx, "all_gather", self.shard, self.axis, self.dims, "all_gather_varying", self.tag, "backward")]
-
-    def start(self, rctx):
-        return None  # single parameters are gathered when backward reads them
 
 
 class _UnitSource:
@@ -531,6 +530,7 @@ class _UnitSource:
     def __init__(self, shards, axis, dims, tag):
         self.shards, self.axis, self.dims, self.tag = shards, axis, dims, tag
         self.shapes = [tuple(s.shape) for s in shards]
+        self.size = sum(s.numel() for s in shards)  # elements of this rank's flat buffer
 
     def regather(self, rctx, pending=None) -> list:
         flat = pending.wait() if pending is not None else _run(
@@ -576,21 +576,24 @@ def reshard_after_forward():
         last_use[source.tag] = next(clock)
         return ("regather", source, index, t.size(), t.stride(), t.storage_offset())
 
-    def prefetch_after(tag):
-        # Backward runs forward in reverse: the next source it needs is the one whose last
-        # saved view comes just before this one's. Start its gather now (units only).
+    def prefetch_after(tag, size):
+        # Backward runs forward in reverse: the next sources it needs are those whose last
+        # saved views come just before this one's. Start their gathers now (units only), as
+        # many as it takes to have as much in flight as this one holds: a small unit next (a
+        # final norm) does not leave the big one after it to be gathered only when reached.
         if not backward_order:
             backward_order.extend(sorted(last_use, key=lambda k: -last_use[k]))
         i = backward_order.index(tag)
+        ahead = 0
         for nxt in backward_order[i + 1:]:
             entry = regathered.get(nxt)
-            if entry is None or entry[0] is not None:
+            if entry is None or entry[0] is not None or entry[2].size is None:
                 continue
             if nxt not in rctx.prefetched:
-                pending = entry[2].start(rctx)
-                if pending is not None:
-                    rctx.prefetched[nxt] = pending
-            return
+                rctx.prefetched[nxt] = entry[2].start(rctx)
+            ahead += entry[2].size
+            if ahead >= size:
+                return
 
     def unpack(obj):
         if not (isinstance(obj, tuple) and obj and obj[0] == "regather"):
@@ -602,7 +605,7 @@ def reshard_after_forward():
         entry = regathered.setdefault(tag, [None, 0, source])
         if entry[0] is None:
             entry[0] = entry[2].regather(rctx, rctx.prefetched.pop(tag, None))
-            prefetch_after(tag)
+            prefetch_after(tag, entry[2].size or 0)
         full = entry[0][index]
         entry[1] -= 1
         if entry[1] <= 0:
