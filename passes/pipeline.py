@@ -45,6 +45,7 @@ from autoshard.ownership import describe
 from autoshard.runtime.pipeline import BoundarySpec, StageSpec
 
 from .dims import module_of
+from .rules import _is_view, is_inplace
 from .spmd import Collective, LayoutError, requires_grad_nodes
 
 aten = torch.ops.aten
@@ -381,6 +382,14 @@ def _stage_graph(k, nodes, act, stage, roots, recv, send, kinds, trainable, rg, 
         norm_ph = g.placeholder("loss_normalizer")
         norm_ph.meta = dict(norm_node.meta)
         args.append(("normalizer", None))
+    for b in recv:
+        src = next(n for n in nodes if n.name == b.name)
+        if _written_in_place(src, need):
+            # The runtime passes a received value in as a leaf (its .grad is what goes back),
+            # which autograd does not let an op overwrite: the stage writes into a copy.
+            copy = g.call_function(aten.clone.default, (env[src],))
+            copy.meta = dict(src.meta)
+            env[src] = copy
     for n in nodes:
         if n.op != "call_function" or n not in need or n.name in recv_names:
             continue
@@ -403,6 +412,24 @@ def _stage_graph(k, nodes, act, stage, roots, recv, send, kinds, trainable, rg, 
     return StageSpec(index=k, forward=gm, inputs=args, recv=recv, send=send, n_outputs=len(roots),
                      weight_groups=groups, early_params=sorted(early & used),
                      params=sorted(p for p in used if p in trainable))
+
+
+def _written_in_place(value: fx.Node, need: set) -> bool:
+    """Whether an op among ``need`` writes into ``value`` in place, directly or through a view."""
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in v.users:
+            if u not in need or not u.args or u.args[0] is not v:
+                continue
+            if is_inplace(u.target):
+                return True
+            if _is_view(u):
+                todo.append(u)
+    return False
 
 
 def _normalizer_graph(nodes, norm_node, kinds):

@@ -104,6 +104,43 @@ def test_send_recv_are_an_adjoint_pair():
     assert out[3][1] == [("recv", "forward", 24), ("send", "backward", 24)]
 
 
+def test_stage_writing_a_received_value_in_place_writes_a_copy():
+    """The runtime passes received values into a stage as autograd leaves, which an in-place op
+    may not overwrite: a stage that writes into one (here ``add_`` at the cut) clones it first,
+    and only then."""
+    class Block(torch.nn.Module):
+        def __init__(self, inplace):
+            super().__init__()
+            self.lin, self.inplace = torch.nn.Linear(8, 8), inplace
+
+        def forward(self, x):
+            if self.inplace:
+                x.add_(1.0)
+            return torch.tanh(self.lin(x)) * 0.5
+
+    class Net(torch.nn.Module):
+        def __init__(self, inplace):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block(inplace) for _ in range(2))
+
+        def forward(self, x):
+            x = x * 2.0  # not the user's input: layer 0 writes into an activation too
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum()
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    for inplace in (True, False):
+        plan = autoshard.autoshard(Net(inplace), (x,), mesh=Mesh({"pp": 2}), dims={"x": ("batch", None)},
+                                   layout={"batch": None}, train=True,
+                                   pipeline={"microbatches": 2, "schedule": "1f1b", "cuts": ["layers.1"]})
+        received = next(n for n in plan.pipe.stages[1].forward.graph.nodes if n.name.startswith("recv_"))
+        copies = [u for u in received.users if u.target is torch.ops.aten.clone.default]
+        assert len(copies) == inplace
+        losses, _ = plan.simulate_train([(x,)] * 2, optimizer=SGD)  # raised "a leaf Variable ... in-place" before
+        assert all(torch.isfinite(torch.tensor(losses)))
+
+
 def test_point_to_point_failures_are_reported():
     def crossed(rank):
         c = current().coords["pp"]

@@ -482,6 +482,51 @@ def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: i
          "backward")
 
 
+def send_value(x: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> None:
+    """What ``send(x, ...)`` sends, without its autograd node: the caller differentiates the
+    sent value itself, with the gradient :func:`recv_gradient` brings back (the pipeline
+    runtime: one ``torch.autograd.backward`` per stage and microbatch, no node per message).
+
+    Example::
+
+        send_value(h, "pp", 1, message=mb)
+        torch.autograd.backward([h], [recv_gradient(template, "pp", 1, message=mb)])
+    """
+    rctx = current("autoshard send")
+    _run(rctx, "send", x.detach(), axis, (peer, 2 * message), "send", tag, _phase(rctx))
+
+
+def recv_value(template: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> torch.Tensor:
+    """What ``recv(..., message)`` receives, shaped like ``template`` (see :func:`template`),
+    as a plain tensor: the caller makes it a leaf and sends its ``.grad`` back with
+    :func:`send_gradient`.
+
+    Example::
+
+        h = recv_value(template((4, 8, 32), torch.float32), "pp", 0, message=mb).requires_grad_()
+    """
+    rctx = current("autoshard recv")
+    return _run(rctx, "recv", template, axis, (peer, 2 * message), "recv", tag, _phase(rctx))
+
+
+def recv_gradient(template: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> torch.Tensor:
+    """The gradient of a value sent with :func:`send_value` (or ``send``), from the peer that
+    received it: what the backward of ``send``'s token receives.
+
+    Example::
+
+        dh = recv_gradient(template(h.shape, h.dtype), "pp", 1, message=mb)
+    """
+    return _run(current("autoshard recv_gradient"), "recv", template, axis, (peer, 2 * message + 1), "send", tag,
+                "backward")
+
+
+def template(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """What a receive expects (shape, dtype, device) without its memory, for :func:`recv_value`
+    and :func:`recv_gradient`; it is never written, so one may serve every receive of a shape."""
+    return _template(shape, dtype, device)
+
+
 def post_recv(axis: str, peer: int, message: int, shape, dtype: torch.dtype, device=None) -> None:
     """Start receiving what ``recv(..., message)`` will read, so the data can arrive while this
     rank still computes (a backend that cannot start early ignores it). Every posted message

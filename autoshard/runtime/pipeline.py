@@ -4,13 +4,17 @@ A pipelined plan is a list of stage programs (``passes/pipeline.py`` cuts them o
 per-rank program) and a schedule (:mod:`.schedules`: per pipeline rank, the ordered actions
 ``F``/``B``/``W``). :class:`PipelineRank` executes any such list on one rank:
 
-- ``F(mb, s)``: receive stage s's boundary inputs from the previous stage's rank (``recv``),
-  run the stage program, send its boundary outputs on (``send``). Both are rows of the
-  runtime's adjoint table: the backward of a ``send`` receives the gradient, the backward of a
-  ``recv`` sends it back, so ``B`` is one ``torch.autograd.backward`` from the send tokens (the
-  loss on the last stage).
-- ``B(mb, s)`` with a ``W(mb, s)`` in the schedule: only the input gradients and the gradients
-  at the stage's weight roots, which ``W`` then turns into parameter gradients.
+- ``F(mb, s)``: receive stage s's boundary inputs from the previous stage's rank, run the
+  stage program on them as autograd leaves, send its boundary outputs on. The transfers are
+  plain messages (``send_value`` / ``recv_value``), not autograd nodes: the stage's graph
+  starts at the leaves and ends at the sent values.
+- ``B(mb, s)``: receive the sent values' gradients (``recv_gradient``), one
+  ``torch.autograd.backward`` from the sent values with them (from the loss on the last
+  stage), and send each leaf's ``.grad`` back (``send_gradient``; zeros where the outputs do
+  not depend on it). These are the messages of the ``send``/``recv`` adjoint pair, recorded
+  under the same names. With a ``W(mb, s)`` in the schedule, ``B`` computes only the input
+  gradients and the gradients at the stage's weight roots, which ``W`` then turns into
+  parameter gradients.
 - Data-axis gradient sums (DDP's all-reduce, ZeRO's reduce-scatter) are deferred and sent once
   per step, by the last backward of each stage; gradients of a parameter read by stages on
   several pipeline ranks (tied embeddings) are exchanged and summed in stage order at the end.
@@ -37,7 +41,8 @@ import torch
 from ..ownership import local_piece
 from .checkpoint import stored_placement
 from .clip import clip_grad_norm_, counted_here
-from .collectives import post_gradient_recv, post_recv, recv, reshard_after_forward, send, send_gradient
+from .collectives import (post_gradient_recv, post_recv, recv, recv_gradient, recv_value, reshard_after_forward, send,
+                          send_gradient, send_value, template)
 from .context import current, trace_phase
 from .local import LocalModule, RankSpec
 from .schedules import Action, stage_rank
@@ -138,6 +143,7 @@ class PipelineRank:
         self.started = 0.0  # wall-clock time (time.time()) of the last step's start
         self.outputs: dict = {}  # mb -> last stage's local outputs (on the last stage's ranks)
         self._state: dict = {}
+        self._templates: dict = {}  # boundary index -> receive template
 
     # ------------------------------------------------------------------ one step
     def step(self, microbatches: list, train: bool = True):
@@ -240,19 +246,30 @@ class PipelineRank:
     def _message(self, b: BoundarySpec, mb: int) -> int:
         return b.index * self.spec.microbatches + mb
 
+    def _template(self, b: BoundarySpec):
+        """The receive template of boundary value ``b`` (one per value: templates are never
+        written)."""
+        t = self._templates.get(b.index)
+        if t is None:
+            t = self._templates[b.index] = template(b.shape, b.dtype, self.device)
+        return t
+
     def _forward(self, a: Action, flat: list, norm, train: bool):
         st, spec = self.stages[a.stage], self.spec
-        args, tokens_in = [], []
+        args, inputs = [], []
         prev = stage_rank(a.stage - 1, self.pp)
         for kind, ref in st.inputs:
             if kind == "slot":
                 args.append(self._value(ref, flat))
             elif kind == "recv":
+                # A received value enters the stage as a leaf (as torch.distributed.pipelining
+                # does): B sends its .grad back, so no autograd node is needed per message.
                 b = st.recv[ref]
-                tok = torch.empty(0, device=self.device, requires_grad=train and b.requires_grad)
-                args.append(recv(tok, spec.axis, prev, self._message(b, a.mb), b.shape, b.dtype, tag=b.index))
-                if tok.requires_grad:
-                    tokens_in.append((tok, b))
+                x = recv_value(self._template(b), spec.axis, prev, self._message(b, a.mb), tag=b.index)
+                if train and b.requires_grad:
+                    x = x.detach().requires_grad_()
+                    inputs.append((x, b))
+                args.append(x)
             else:
                 args.append(norm)
         reshard = contextlib.nullcontext()
@@ -261,7 +278,7 @@ class PipelineRank:
             reshard = reshard_after_forward()
         with reshard:
             outs = list(st.forward(*args))
-        state = {"tokens_in": tokens_in, "ys": outs[st.n_outputs:]}
+        state = {"inputs": inputs, "ys": outs[st.n_outputs:]}
         if a.stage == self.n_stages - 1:
             self.outputs[a.mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs[:st.n_outputs]]
             if spec.loss_index is not None:
@@ -273,45 +290,55 @@ class PipelineRank:
             nxt = stage_rank(a.stage + 1, self.pp)
             roots = []
             for b, x in zip(st.send, outs):
-                tok = send(x, spec.axis, nxt, self._message(b, a.mb), tag=b.index)
-                if tok.requires_grad:
-                    roots.append(tok)
-                    if train:  # its gradient comes back in this microbatch's B
-                        post_gradient_recv(x, spec.axis, nxt, self._message(b, a.mb))
-            state["roots"], state["seeds"] = roots, [torch.empty(0, device=self.device) for _ in roots]
+                send_value(x, spec.axis, nxt, self._message(b, a.mb), tag=b.index)
+                if train and x.requires_grad:  # its gradient comes back in this microbatch's B
+                    roots.append((x, b))
+                    post_gradient_recv(x, spec.axis, nxt, self._message(b, a.mb))
+            state["roots"], state["sent"] = [x for x, _ in roots], [b for _, b in roots]
         if train:
             self._state[(a.stage, a.mb)] = state
+
+    def _seeds(self, a: Action, state: dict) -> list:
+        """The gradients B starts from: the loss's seed on the last stage, else those of the
+        sent values, received from the next stage (posted at F)."""
+        if "sent" not in state:
+            return state.get("seeds", [])
+        nxt = stage_rank(a.stage + 1, self.pp)
+        return [recv_gradient(self._template(b), self.spec.axis, nxt, self._message(b, a.mb), tag=b.index)
+                for b in state["sent"]]
 
     def _backward(self, a: Action):
         key = (a.stage, a.mb)
         state = self._state[key]
-        roots, seeds, tokens = state.get("roots", []), state.get("seeds", []), state["tokens_in"]
+        roots, inputs = state.get("roots", []), state["inputs"]
+        seeds = self._seeds(a, state)
         if key not in self.split:
             if roots:
                 torch.autograd.backward(roots, seeds)
             del self._state[key]
-            self._answer_unreached(a, [t.grad is not None for t, _ in tokens], tokens)
+            self._send_input_grads(a, [x.grad for x, _ in inputs], inputs)
             return
         st = self.stages[a.stage]
         early = [self.local._values[n] for n in st.early_params]
         ys = state["ys"]
-        targets = [t for t, _ in tokens] + early + ys
+        targets = [x for x, _ in inputs] + early + ys
         grads = (torch.autograd.grad(roots, targets, seeds, retain_graph=True, allow_unused=True)
                  if roots and targets else [None] * len(targets))
-        for p, g in zip(early, grads[len(tokens):len(tokens) + len(early)]):
+        for p, g in zip(early, grads[len(inputs):len(inputs) + len(early)]):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
-        state["y_grads"] = list(grads[len(tokens) + len(early):])
-        self._answer_unreached(a, [g is not None for g in grads[:len(tokens)]], tokens)
+        state["y_grads"] = list(grads[len(inputs) + len(early):])
+        state["inputs"] = []  # their gradients are sent: W needs only the weight roots
+        self._send_input_grads(a, list(grads[:len(inputs)]), inputs)
 
-    def _answer_unreached(self, a: Action, reached: list, tokens: list):
-        """A received value the stage's outputs do not depend on gets no backward: send its
-        (zero) gradient explicitly so the previous stage is not left waiting."""
+    def _send_input_grads(self, a: Action, grads: list, inputs: list):
+        """Send each received value's gradient back to the previous stage; one the stage's
+        outputs do not depend on (no gradient) gets zeros, so the peer is not left waiting."""
         prev = stage_rank(a.stage - 1, self.pp)
-        for ok, (tok, b) in zip(reached, tokens):
-            if not ok:
-                send_gradient(torch.zeros(b.shape, dtype=b.dtype, device=self.device), self.spec.axis, prev,
-                              self._message(b, a.mb), tag=b.index)
+        for g, (_, b) in zip(grads, inputs):
+            if g is None:
+                g = torch.zeros(b.shape, dtype=b.dtype, device=self.device)
+            send_gradient(g, self.spec.axis, prev, self._message(b, a.mb), tag=b.index)
 
     def _weights(self, a: Action):
         state = self._state.pop((a.stage, a.mb))
