@@ -100,7 +100,8 @@ class PipelinePlan(Plan):
     def pipeline_spec(self) -> PipelineSpec:
         """What a rank needs to run this plan (see :class:`autoshard.runtime.pipeline.PipelineSpec`)."""
         return PipelineSpec(self.rank_spec(), self.axis, self.pipe.stages, self.action_lists, self.microbatches,
-                            self.pipe.loss_index, self.pipe.normalizer, self.pipe.normalizer_inputs, self.pipe.tied)
+                            self.pipe.loss_index, self.pipe.normalizer, self.pipe.normalizer_inputs, self.pipe.tied,
+                            self.pipe.loss_reduction)
 
     # ------------------------------------------------------------------ running
     def build(self, rank: int) -> PipelineRank:
@@ -183,10 +184,10 @@ class PipelinePlan(Plan):
         for k, place in enumerate(self.program.output_placements):
             per_mb = [assemble([r[m][k] for r in per_rank], place, self.mesh) if place is not None else per_rank[0][m][k]
                       for m in range(self.microbatches)]
-            flat.append(self._combine(per_mb, k == li))
+            flat.append(self._combine(per_mb, k))
         return pytree.tree_unflatten(flat, self.captured.out_spec)
 
-    def _combine(self, per_mb: list, is_loss: bool):
+    def _combine(self, per_mb: list, k: int):
         first = per_mb[0]
         if not isinstance(first, torch.Tensor):
             return first
@@ -194,7 +195,11 @@ class PipelinePlan(Plan):
             total = per_mb[0].clone()
             for t in per_mb[1:]:
                 total = total + t
-            return total if (is_loss and self.pipe.normalizer is not None) else total / len(per_mb)
+            how = self.pipe.loss_reduction if k == self.pipe.loss_index else self.pipe.scalar_reductions.get(k)
+            if how is None:
+                raise ValueError(f"output {k} is a scalar that is neither a sum nor a mean over the batch: its value "
+                                 f"for the whole batch cannot be made from the {len(per_mb)} microbatches' values")
+            return total if how == "sum" else total / len(per_mb)
         return torch.cat(per_mb, 0)
 
     def simulate(self, *args, **kwargs):

@@ -141,6 +141,7 @@ def pipeline_json(plan) -> dict:
         "virtual": plan.virtual,
         "cuts": list(pipe.cuts),
         "loss_index": pipe.loss_index,
+        "loss_reduction": pipe.loss_reduction,
         "normalizer": ({"file": NORMALIZER, "inputs": list(pipe.normalizer_inputs)}
                        if pipe.normalizer is not None else None),
         "tied": {p: list(ss) for p, ss in sorted(pipe.tied.items())},

@@ -123,7 +123,8 @@ def pipeline_spec(doc: dict, rank_spec, programs: StagePrograms) -> PipelineSpec
     norm = p.get("normalizer")
     return PipelineSpec(rank_spec, p["axis"], stages, p["_schedule"], p["microbatches"], p.get("loss_index"),
                         programs.normalizer.forward if norm else None, list(norm["inputs"]) if norm else [],
-                        {k: list(v) for k, v in p["tied"].items()})
+                        {k: list(v) for k, v in p["tied"].items()},
+                        p.get("loss_reduction", "sum" if norm else "mean"))
 
 
 class PipelineProgram:
@@ -193,7 +194,7 @@ def compare_outputs(pp: PipelineProgram, ref: dict, rtol: float, atol: float, R)
             total = per_mb[0].clone()
             for t in per_mb[1:]:
                 total = total + t
-            if not (k == spec.loss_index and spec.normalizer is not None):
+            if not (k == spec.loss_index and spec.loss_reduction == "sum"):
                 total = total / m_count
             pairs = [(total, want)]
         else:

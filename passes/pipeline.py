@@ -44,7 +44,7 @@ from torch import fx
 from autoshard.ownership import describe
 from autoshard.runtime.pipeline import BoundarySpec, StageSpec
 
-from .dims import module_of
+from .dims import module_of, source_line
 from .rules import _is_view, is_inplace
 from .spmd import Collective, LayoutError, requires_grad_nodes
 
@@ -58,6 +58,56 @@ def tag_origins(graph: fx.Graph) -> None:
     makes, so a stage boundary can name the captured value (and its owner) it carries."""
     for node in graph.nodes:
         node.meta[ORIGIN] = node.name
+
+
+# Loss ops by their reduction argument (position, default): 1 = mean over every element, 2 = sum
+_REDUCING_LOSSES = {aten.mse_loss.default: (2, 1), aten.l1_loss.default: (2, 1), aten.smooth_l1_loss.default: (2, 1),
+                    aten.huber_loss.default: (2, 1), aten.binary_cross_entropy.default: (3, 1),
+                    aten.binary_cross_entropy_with_logits.default: (4, 1), aten.soft_margin_loss.default: (2, 1)}
+# Losses whose mean is weighted (class weights, ignored targets): only their sum splits exactly
+_SUM_ONLY_LOSSES = {aten.cross_entropy_loss.default: (3, 1), aten.nll_loss.default: (3, 1)}
+
+
+def microbatch_reduction(loss: fx.Node, strict: bool = True) -> Optional[str]:
+    """How the losses of equal microbatches make the step's loss: ``"sum"`` (a sum over the
+    batch) or ``"mean"`` (a mean over every element), read from the op that reduces the loss
+    to a scalar, past the rewrite's collectives and mean rescaling. Any other last step (a
+    scale by a constant, which may be the microbatch's own size, a weighted mean, a
+    nonlinearity) raises (returns None unless ``strict``): the step's value would not follow
+    from the microbatches' exactly. A masked mean ``sum / count`` with an input-side count is
+    handled by the normalizer.
+
+    >>> microbatch_reduction(program.graph.output_node().args[0][0])   # doctest: +SKIP
+    'mean'
+    """
+    n = loss
+    while isinstance(n, fx.Node) and (_is_collective(n) or n.meta.get("mean_rescale")):
+        n = n.args[0]
+    if isinstance(n, fx.Node) and n.op == "call_function":
+        if n.target in (aten.sum.default, aten.sum.dim_IntList) and _is_scalar(n):
+            return "sum"
+        if n.target in (aten.mean.default, aten.mean.dim) and _is_scalar(n):
+            return "mean"
+        for table, ok in ((_REDUCING_LOSSES, {1: "mean", 2: "sum"}), (_SUM_ONLY_LOSSES, {2: "sum"})):
+            if n.target in table:
+                pos, default = table[n.target]
+                reduction = n.args[pos] if len(n.args) > pos else n.kwargs.get("reduction", default)
+                if reduction in ok:
+                    return ok[reduction]
+    if not strict:
+        return None
+    what = f"{n.target} ({n.name})" if isinstance(n, fx.Node) else repr(n)
+    where = f" in {module_of(n) or 'the root module'} at {source_line(n)}" if isinstance(n, fx.Node) else ""
+    raise LayoutError(
+        f"pipeline: the loss comes from {what}{where}, and the step's loss cannot be made exactly from the "
+        f"microbatches' losses: a pipelined loss must end in a sum or a mean over the batch (x.sum(), x.mean(), "
+        f"F.mse_loss, ...), or a masked mean sum / count with the count computed from the inputs (as "
+        f"F.cross_entropy(..., ignore_index=...) is), not scaled afterwards (a constant may be the microbatch's "
+        f"size). Divide by the global count in the loss, or plan without a pipeline.")
+
+
+def _is_scalar(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dim() == 0
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -201,6 +251,8 @@ class PipelineProgram:
     tied: dict = field(default_factory=dict)  # trainable param -> stages (on >1 pipeline ranks) reading it
     collectives: list = field(default_factory=list)  # send / recv records
     loss_index: Optional[int] = None
+    loss_reduction: str = "mean"  # how microbatch losses make the step's: "sum" or "mean" (microbatch_reduction)
+    scalar_reductions: dict = field(default_factory=dict)  # other scalar outputs: index -> "sum" | "mean" | None
 
 
 def split_program(program, inputs, mesh, *, axis: str, cuts: list, virtual: int, microbatches: int,
@@ -280,6 +332,7 @@ def split_program(program, inputs, mesh, *, axis: str, cuts: list, virtual: int,
 
     # -- the loss normalizer
     norm_node = div_node = None
+    loss_reduction = "mean"
     if loss_index is not None:
         n = out_node.args[0][loss_index]
         while isinstance(n, fx.Node) and _is_collective(n):
@@ -287,6 +340,14 @@ def split_program(program, inputs, mesh, *, axis: str, cuts: list, virtual: int,
         if (isinstance(n, fx.Node) and n.target is aten.div.Tensor and isinstance(n.args[1], fx.Node)
                 and not dep_train[n.args[1]]):
             div_node, norm_node = n, n.args[1]
+        # a masked mean's numerator must add up over microbatches, as a plain loss must; a
+        # loss that is not a scalar is trained as its sum (gradient seeds of ones), as unpipelined
+        loss = out_node.args[0][loss_index]
+        loss_reduction = microbatch_reduction(div_node.args[0] if div_node is not None else loss) \
+            if _is_scalar(loss) else "sum"
+        if div_node is not None and loss_reduction != "sum":
+            div_node = norm_node = None
+            microbatch_reduction(loss)  # raises: a mean divided again
 
     rg = requires_grad_nodes(graph, trainable)
     boundaries, stages, collectives = [], [], []
@@ -315,7 +376,9 @@ def split_program(program, inputs, mesh, *, axis: str, cuts: list, virtual: int,
     modules = [_describe_modules([n for n in nodes if n in act and stage[n] == k and not _is_collective(n)])
                for k in range(n_stages)]
     return PipelineProgram(axis, stages, boundaries, list(cuts), modules, {n.name: s for n, s in stage.items()},
-                           normalizer, norm_inputs, tied, collectives, loss_index)
+                           normalizer, norm_inputs, tied, collectives, loss_index, loss_reduction,
+                           {k: microbatch_reduction(o, strict=False) for k, o in enumerate(out_node.args[0])
+                            if k != loss_index and _is_scalar(o)})
 
 
 def _stage_graph(k, nodes, act, stage, roots, recv, send, kinds, trainable, rg, params_of, dep_user, div_node,

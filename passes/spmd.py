@@ -740,7 +740,7 @@ class _Rewriter:
             if kind == "contract":
                 factor /= self.mesh.axes[self.axes[i]]
         scaled = self.g.call_function(aten.mul.Tensor, (new, factor))
-        scaled.meta = dict(new.meta)
+        scaled.meta = dict(new.meta, mean_rescale=True)  # the pipeline split reads a loss's tail past it
         return scaled
 
     def visit_view(self, node: fx.Node, ix: Indexing):

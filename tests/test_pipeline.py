@@ -141,6 +141,53 @@ def test_stage_writing_a_received_value_in_place_writes_a_copy():
         assert all(torch.isfinite(torch.tensor(losses)))
 
 
+class _ScalarLoss(torch.nn.Module):
+    """Two tanh blocks and a scalar loss chosen by ``kind``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.kind = kind
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if self.kind == "sum":
+            return (x * y).sum()
+        if self.kind == "mean":
+            return (x * y).mean()
+        if self.kind == "mse":
+            return torch.nn.functional.mse_loss(x, y)
+        return (x * y).sum() / x.shape[0]  # per-sample mean by the batch's size: a constant when captured
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "mse"])
+@pytest.mark.parametrize("mesh", [{"pp": 2}, {"pp": 2, "dp": 2}])
+def test_sum_and_mean_losses_train_like_single_device(kind, mesh):
+    """Microbatch losses are added for a sum over the batch and averaged for a mean: a sum loss
+    was averaged over the microbatches before, half the loss and gradients at M=2."""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g))
+    torch.manual_seed(0)
+    model = _ScalarLoss(kind)
+    plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims={"x": ("batch", None), "y": ("batch", None)},
+                               layout={"batch": "dp" if "dp" in mesh else None}, train=True,
+                               pipeline={"microbatches": 2, "schedule": "1f1b", "cuts": ["layers.1"]})
+    assert plan.pipe.loss_reduction == ("sum" if kind == "sum" else "mean")
+    torch.testing.assert_close(plan.simulate(*args), model(*args), rtol=1e-5, atol=1e-6)
+    assert_trains_like(plan, model, args, SGD)
+
+
+def test_a_loss_scaled_after_its_reduction_is_refused_when_pipelined():
+    """``sum / x.shape[0]`` divides by the captured microbatch's size: neither the sum nor the
+    mean of the microbatches' losses is the batch's, so planning says so (node and line)."""
+    args = (torch.randn(8, 8), torch.randn(8, 8))
+    with pytest.raises(LayoutError, match=r"(?s)pipeline: the loss comes from .*div.*test_pipeline.py.*sum or a mean"):
+        autoshard.autoshard(_ScalarLoss("scaled"), args, mesh=Mesh({"pp": 2}),
+                            dims={"x": ("batch", None), "y": ("batch", None)}, layout={"batch": None}, train=True,
+                            pipeline={"microbatches": 2, "schedule": "1f1b", "cuts": ["layers.1"]})
+
+
 def test_point_to_point_failures_are_reported():
     def crossed(rank):
         c = current().coords["pp"]

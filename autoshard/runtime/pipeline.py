@@ -89,6 +89,7 @@ class PipelineSpec:
     normalizer: Optional[Callable] = None  # one microbatch's loss count, summed over the step
     normalizer_inputs: list = field(default_factory=list)
     tied: dict = field(default_factory=dict)  # parameter -> stages on several pipeline ranks
+    loss_reduction: str = "mean"  # the step's loss: the "sum" of the microbatches' losses or their "mean"
 
     @property
     def pp(self) -> int:
@@ -188,7 +189,7 @@ class PipelineRank:
         total = self._losses[0].clone()
         for m in range(1, len(self._losses)):
             total = total + self._losses[m]
-        return total if spec.normalizer is not None else total / spec.microbatches
+        return total if spec.loss_reduction == "sum" else total / spec.microbatches
 
     def measured(self) -> list:
         """The last step's actions as ``(action, start, end)`` in wall-clock seconds
@@ -284,7 +285,7 @@ class PipelineRank:
             if spec.loss_index is not None:
                 loss = outs[spec.loss_index]
                 self._losses[a.mb] = loss.detach()
-                scale = 1.0 if spec.normalizer is not None else 1.0 / spec.microbatches
+                scale = 1.0 if spec.loss_reduction == "sum" else 1.0 / spec.microbatches
                 state["roots"], state["seeds"] = [loss], [torch.full_like(loss, scale)]
         else:
             nxt = stage_rank(a.stage + 1, self.pp)
