@@ -428,6 +428,14 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
                 cur.saved_bytes += out_bytes
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
+        if (node.meta.get("autoshard") or {}).get("vocab_parallel") is not None:
+            # vocab-parallel cross-entropy (passes/vocab_parallel.py): its forward gather of row
+            # maxima and its sum of statistics block; the compute is costed below as one op
+            tag = node.kwargs.get("tag")
+            for r in by_tag.get(tag, []) + by_tag.get(tag + 1, []):
+                flush()
+                cur.items.append(Comm(r.axes, r.kind, r.bytes, collective_seconds(cm, mesh, r.kind, r.axes, r.bytes),
+                                      None, 0, 0.0, bwd_overlap=False, buffer_bytes=r.bytes * (1 + mesh.axes[r.axes[0]])))
         t = op_seconds(cm, node.target, node.args, node.kwargs, outs)
         pend[0] += t
         if node in rg:

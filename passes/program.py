@@ -20,6 +20,7 @@ from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, sli
 from autoshard.runtime.buckets import assign_buckets
 
 from . import context as cp
+from . import vocab_parallel as vp
 from .early_sums import EARLY, start_sums_early
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
@@ -56,7 +57,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     sharding and gradient buckets that the forward program does not show; ZeRO-3 gathers are
     grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`); attention over a split
     sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
-    ``context``). ``early_sums``: start forward sums without a gradient as soon as their inputs
+    ``context``); a cross-entropy over logits split by class on one axis is computed there
+    (:mod:`autoshard.passes.vocab_parallel`). ``early_sums``: start forward sums without a gradient as soon as their inputs
     exist (:mod:`autoshard.passes.early_sums`; not for pipeline stages, which the program is
     cut into by its order). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
@@ -83,7 +85,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     with lazy_programs() if early_sums else contextlib.nullcontext():
         program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
                           bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
-                          regions={**lowerings(regions, moe), **cp.lowerings(ctx)}, fixed=owned)
+                          regions={**vp.lowerings(graph), **lowerings(regions, moe), **cp.lowerings(ctx)},
+                          fixed=owned)
     program.experts = moe
     program.context = ctx
     if zero_stage == 3:

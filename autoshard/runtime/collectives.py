@@ -184,6 +184,12 @@ class _Collective(torch.autograd.Function):
 def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
     """The adjoint of ``fctx.op`` on ``grad``, deferred under gradient accumulation."""
     rctx, primitive = fctx.rctx, ADJOINTS[fctx.op].backward
+    if primitive == "identity":
+        # The incoming gradient itself, no copy (unlike the forward identity: no captured
+        # in-place op runs on a gradient). Returned as the same tensor object, not a detached
+        # alias, so autograd sees every reference to it and never accumulates into it in place
+        # while another consumer still reads it (as built-in AddBackward hands one tensor to both).
+        return grad
     grad = grad.detach()
     if primitive in SUMMING:
         key = (fctx.op, fctx.tag, fctx.axis)

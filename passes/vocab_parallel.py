@@ -1,0 +1,111 @@
+"""Vocab-parallel cross-entropy: a loss over logits whose class dim is split on a mesh axis.
+
+``cross_entropy_loss``'s rule keeps the class dim whole (softmax needs every class), so logits
+split by vocab (a column-parallel output head, ``layout={"vocab": "tp"}``) would be all-gathered
+before the loss: ``N*C`` values to every rank, and the whole softmax on each. When the logits
+arrive split on exactly one axis by their class dim, this lowering writes the node as
+:func:`autoshard.runtime.vocab_parallel.vocab_parallel_cross_entropy` instead: each rank works
+on its columns and only the softmax statistics travel (a gather of the row maxima, one sum of
+``[sum exp, target logit]``: ``3N`` values per rank, none in backward).
+
+Which nodes: ``reduction='none'`` (capture rewrites a mean into ``sum(none) / count``), class-
+index targets, no class weights, no label smoothing, 2-D fp32/fp64 logits. Anything else, or
+logits that arrive whole, keeps the rule (``spmd.visit_einsum``). Other axes compose as for the
+rule: rows split on a data axis stay split.
+
+Example::
+
+    >>> plan = autoshard.autoshard(model, (tokens, labels), mesh=Mesh({"tp": 2}), dims=dims,
+    ...                            layout={"heads": "tp", "ffn": "tp", "vocab": "tp"}, train=True)  # doctest: +SKIP
+    >>> [c.why for c in plan.collectives if c.op == "vocab_parallel_cross_entropy"]          # doctest: +SKIP
+    ['... row maxima of logits split by vocab on tp ...', '... sum of exp and target logits ...']
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoshard.ownership import Partial, R, Shard
+from autoshard.runtime.vocab_parallel import vocab_parallel_cross_entropy
+
+from .dims import module_of, source_line
+from .rules import arg, shape_of
+from .spmd import Collective
+
+aten = torch.ops.aten
+CE = aten.cross_entropy_loss.default
+_FLOATS = (torch.float32, torch.float64)
+
+
+def eligible(node: fx.Node) -> bool:
+    """A per-row, unweighted, unsmoothed cross-entropy of 2-D float logits and class indices."""
+    if node.op != "call_function" or node.target is not CE:
+        return False
+    x, target = node.args[0], node.args[1]
+    xv, tv = x.meta.get("val"), target.meta.get("val") if isinstance(target, fx.Node) else None
+    return (isinstance(xv, torch.Tensor) and isinstance(tv, torch.Tensor) and xv.dim() == 2 and tv.dim() == 1
+            and xv.dtype in _FLOATS and not tv.dtype.is_floating_point
+            and arg(node, 2, "weight") is None and arg(node, 3, "reduction", 1) == 0
+            and not arg(node, 5, "label_smoothing", 0.0))
+
+
+def lowerings(graph: fx.Graph) -> dict:
+    """{cross_entropy_loss node: visitor} for ``spmd.rewrite(regions=...)``."""
+    return {node: _visit for node in graph.nodes if eligible(node)}
+
+
+def _vocab_axis(rw, node):
+    """The one axis that splits the logits' class dim, or None (whole, split on several axes,
+    a pending sum, a reordered axis: the rule's gather handles those)."""
+    place = rw.place[node.args[0]][0]
+    if any(isinstance(o, Partial) for o in place):
+        return None
+    split = [a for o, a in zip(place, rw.axes) if isinstance(o, Shard) and o.dim == 1]
+    if len(split) != 1 or split[0] in getattr(rw.layout, "orders", {}):
+        return None
+    return split[0]
+
+
+def _visit(rw, node: fx.Node):
+    ix = rw.info.indexing[node]
+    axis = _vocab_axis(rw, node)
+    if axis is None:
+        return rw.visit_einsum(node, ix)
+    x, target = node.args[0], node.args[1]
+    modes = rw.choose_modes(node, ix)
+    rows = ix.inputs[0][1][0]  # the rows' letter: the one other axes may split
+    x_place, t_place, out_place, varying = [], [], [], {axis}
+    for (kind, letter), a in zip(modes, rw.axes):
+        if a == axis:
+            x_place.append(Shard(1)), t_place.append(R), out_place.append(R)
+        elif kind == "shard" and letter == rows and letter is not None:
+            varying.add(a)
+            x_place.append(Shard(0)), t_place.append(Shard(0)), out_place.append(Shard(0))
+        else:
+            x_place.append(R), t_place.append(R), out_place.append(R)
+    n = rw.mesh.axes[axis]
+    reason = f"{rw.dim_label(x, 0, 1)} sharded on {axis} (vocab-parallel cross-entropy)"
+    lx = rw.convert(x, 0, tuple(x_place), varying, node, reason)
+    lt = rw.convert(target, 0, tuple(t_place), varying, node, reason)
+    tag = rw.tag
+    rw.tag += 2  # the max gather and the sum
+    ignore = arg(node, 4, "ignore_index", -100)
+    new = rw.g.call_function(vocab_parallel_cross_entropy, (lx, lt, axis, ignore), {"tag": tag})
+    new.meta = {k: v for k, v in node.meta.items() if k != "val"}
+    place = tuple(out_place)
+    new.meta["val"] = rw.meta_local(node.meta["val"], place)
+    rows_local = shape_of(lx)[0] if shape_of(lx) else 0
+    es = x.meta["val"].element_size()
+    where, line = module_of(node), source_line(node)
+    vocab = rw.dim_label(x, 0, 1)
+    why_max = (f"cross-entropy over logits split by {vocab} on {axis} ({n} ranks): the row maxima are gathered "
+               f"instead of the logits")
+    why_sum = (f"cross-entropy over logits split by {vocab} on {axis}: each rank's sum of exp and target logit, "
+               f"summed (backward: none, each rank keeps its columns' gradient)")
+    rw.collectives.append(Collective("all_gather", (axis,), rows_local * es, "forward", where, why_max, x.name,
+                                     line, tag, vocab_parallel_cross_entropy.__name__))
+    rw.collectives.append(Collective("all_reduce", (axis,), 2 * rows_local * es, "forward", where, why_sum, x.name,
+                                     line, tag + 1, vocab_parallel_cross_entropy.__name__))
+    new.meta["autoshard"] = {"where": where, "why": why_sum, "tag": tag, "vocab_parallel": axis}
+    rw.local[node] = new
+    rw.place[node] = [place]
