@@ -958,7 +958,7 @@ class SearchSpace:
             grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
             self.rewrites += 1
             with lazy_programs():
-                program = rewrite(graph, info, resolved, mesh1, grad, self.display,
+                program = rewrite(graph, info, resolved, mesh1, grad, self.display, collectives_only=True,
                                   **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
         except self._LayoutError:
             cache[key] = None
