@@ -275,9 +275,11 @@ class _Rewriter:
         return self.info.dim_name(self.info.of(node, out)[d])
 
     # ------------------------------------------------------------------ conversions
-    def convert(self, src: fx.Node, out: int, target: tuple, varying: set, consumer: fx.Node, reason: str):
+    def convert(self, src: fx.Node, out: int, target: tuple, varying: set, consumer: fx.Node, reason):
         """Local node holding ``src`` (output ``out``) with placement ``target``; ``varying``:
-        axes on which the consumer's work differs per rank (so gradients must be summed)."""
+        axes on which the consumer's work differs per rank (so gradients must be summed).
+        ``reason``: why the consumer needs it so, or a function wording it (called only when a
+        conversion is emitted)."""
         cur = self.place[src][out]
         for o, t, a in zip(cur, target, self.axes):
             if isinstance(o, Owned) and o != t:
@@ -401,6 +403,8 @@ class _Rewriter:
                 f"mesh order {list(self.axes)} and keep them together")
 
     def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=()):
+        if callable(reason):
+            reason = reason()
         tag = self.tag
         self.tag += 1
         new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag})
@@ -719,10 +723,10 @@ class _Rewriter:
 
     def map_args(self, node, ix, targets, varying_axes, modes):
         converted = {}
+        why = lambda: self.reason(node, ix, modes, ())  # noqa: E731 (worded only for a conversion emitted)
         for j, (path, letters) in enumerate(ix.inputs):
             src = get_path(node, path)
-            converted[path] = self.convert(src, 0, tuple(targets[j]), varying_axes, node,
-                                           self.reason(node, ix, modes, letters))
+            converted[path] = self.convert(src, 0, tuple(targets[j]), varying_axes, node, why)
         return self.replace_args(node, converted)
 
     def reason(self, node, ix, modes, letters) -> str:
