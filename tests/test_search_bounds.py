@@ -108,3 +108,27 @@ def test_one_axis_programs_without_graph_equal_the_whole_rewrite(monkeypatch, ca
     assert len(compared) >= 3 and any(compared)
     if case == "llama-mask-cp2":  # context-parallel attention's lowering ran without a graph too
         assert any({"ring_attention", "allgather_attention"} & set(ops) for ops in compared)
+
+
+def test_state_memory_shares_equal_the_whole_computation():
+    """The search's state (memory bound, evaluation) sums per-input shares cached by placement
+    (``state_memory(memo=...)``): equal, to the bit, to the state computed afresh, for every
+    candidate and ZeRO stage of a training space."""
+    from autoshard import Mesh
+    from autoshard.cost.model import state_memory
+    from examples.models import llama_tiny
+
+    model, args, dims = llama_tiny(with_labels=True)
+    cap, info = prepared(model, args, dims)
+    space = SearchSpace(cap.graph, cap.inputs, info, Mesh({"dp": 2, "tp": 2}), CostModel(load_hardware("h100")),
+                        train=True)
+    checked = 0
+    for c in space.space():
+        try:
+            st, in_places, kw = space.state(c)
+        except autoshard.LayoutError:
+            continue
+        fresh = state_memory(space._st_inputs, space.vals, in_places, space.mesh, space.cm, train=True, **kw)
+        assert st == fresh, c.describe()
+        checked += 1
+    assert checked > 20 and len(space._state_terms) < checked * len(space._st_inputs)
