@@ -17,8 +17,10 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
+import gc
 import math
 import re
 import sys
@@ -154,119 +156,137 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     timings["capture"] = time.perf_counter() - t0
     timings["capture_cpu"] = time.process_time() - c0
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
-
-    t = time.perf_counter()
-    origins = {i.name: i.target for i in cap.inputs}
-    info = infer_dims(cap.graph, origins)
-    apply_dim_names(info, cap, dims)
-    find_expert_regions(cap.graph, info, **_moe_options(moe))
-    if searching:
-        # dims of parameters nobody named get readable names, so the search can shard them
-        name_parameter_dims(info, cap.graph, cap.inputs)
-    timings["dims"] = time.perf_counter() - t
-    _progress(verbose, f"named dims in {timings['dims']:.2f}s")
-
-    # search (autoshard.cost): the layout, mesh shape and state sharding the cost model prefers
-    search_result, cost_model = None, None
-    if searching:
+    # Everything from here on plans a program captured above: its graphs, values and fake tensors
+    # live until the plan is returned, so the cyclic collector need not traverse them again
+    with _heap_frozen():
         t = time.perf_counter()
-        cost_model = resolve_cost_model(hardware)
-        search_meshes = meshes or [mesh if pipe is None else Mesh({a: n for a, n in mesh.axes.items() if a != pipe.axis})]
-        search_args = dict(
-            train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
-            memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
-            display={i.name: i.target for i in cap.inputs},
-            units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"),
-            checkpoint=False if pipe is not None else checkpoint)
-        if auto_pp is not None:
-            decision = choose_pipeline(cap.graph, cap.inputs, info, mesh, auto_pp, batch=_batch_size(args, kwargs),
-                                       constraints=_constraints(layout, search, info), **search_args,
-                                       **{k: (pipeline or {}).get(k) for k in ("schedule", "microbatches", "virtual")})
-            if decision.pp > 1:
-                # plan the chosen pipeline on its mesh: the layout and ZeRO stage found, the
-                # program captured again for one microbatch
-                plan = _plan_pipeline(decision, model, args, kwargs, dims=dims, train=train, units=units,
-                                      bucket_mb=bucket_mb, hardware=cost_model, moe=moe, verbose=verbose,
-                                      precision=precision, context=context,
-                                      strict=strict, cuts=(pipeline or {}).get("cuts"))
-                plan.timings["capture"] += timings["capture"]
-                plan.timings["capture_cpu"] += timings["capture_cpu"]
-                plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
-                plan.timings["dims"] += timings["dims"]
-                return plan
-            search_result = decision.flat
+        origins = {i.name: i.target for i in cap.inputs}
+        info = infer_dims(cap.graph, origins)
+        apply_dim_names(info, cap, dims)
+        find_expert_regions(cap.graph, info, **_moe_options(moe))
+        if searching:
+            # dims of parameters nobody named get readable names, so the search can shard them
+            name_parameter_dims(info, cap.graph, cap.inputs)
+        timings["dims"] = time.perf_counter() - t
+        _progress(verbose, f"named dims in {timings['dims']:.2f}s")
+
+        # search (autoshard.cost): the layout, mesh shape and state sharding the cost model prefers
+        search_result, cost_model = None, None
+        if searching:
+            t = time.perf_counter()
+            cost_model = resolve_cost_model(hardware)
+            search_meshes = meshes or [mesh if pipe is None else Mesh({a: n for a, n in mesh.axes.items() if a != pipe.axis})]
+            search_args = dict(
+                train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
+                memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
+                display={i.name: i.target for i in cap.inputs},
+                units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"),
+                checkpoint=False if pipe is not None else checkpoint)
+            if auto_pp is not None:
+                decision = choose_pipeline(cap.graph, cap.inputs, info, mesh, auto_pp, batch=_batch_size(args, kwargs),
+                                           constraints=_constraints(layout, search, info), **search_args,
+                                           **{k: (pipeline or {}).get(k) for k in ("schedule", "microbatches", "virtual")})
+                if decision.pp > 1:
+                    # plan the chosen pipeline on its mesh: the layout and ZeRO stage found, the
+                    # program captured again for one microbatch
+                    plan = _plan_pipeline(decision, model, args, kwargs, dims=dims, train=train, units=units,
+                                          bucket_mb=bucket_mb, hardware=cost_model, moe=moe, verbose=verbose,
+                                          precision=precision, context=context,
+                                          strict=strict, cuts=(pipeline or {}).get("cuts"))
+                    plan.timings["capture"] += timings["capture"]
+                    plan.timings["capture_cpu"] += timings["capture_cpu"]
+                    plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
+                    plan.timings["dims"] += timings["dims"]
+                    return plan
+                search_result = decision.flat
+            else:
+                search_result = plan_search(cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
+                                            **search_args)
+            layout = search_result.layout
+            mesh = search_result.mesh if pipe is None else mesh
+            if train and zero_stage is None:
+                zero_stage = search_result.zero_stage
+                reshard_after_forward = search_result.reshard_after_forward if zero_stage == 3 else None
+            timings["search"] = time.perf_counter() - t
+            _progress(verbose, f"searched {search_result.space_size} candidates ({search_result.evaluated} evaluated) in "
+                               f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
+
+        use_checkpoint = bool(search_result.checkpoint if search_result is not None else checkpoint) and train
+        t = time.perf_counter()
+        resolved = resolve_layout(info, layout, mesh)
+        stage = zero_stage or 0
+        display = {i.name: i.target for i in cap.inputs}
+
+        def build(policy):
+            return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
+                                 reshard=True if reshard_after_forward is None else reshard_after_forward,
+                                 bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
+                                 context=context_options, early_sums=pipe is None)
+
+        context_options = dict(context or {})
+        if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses
+            context_options["variant"] = choose_variant(cost_model or _cost_model(hardware), mesh)
+
+        if units is None and stage == 3 and bucket_mb and searching and pipe is None:
+            # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
+            cm = cost_model or _cost_model(hardware)
+            vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+            cost_fn = checkpointed_program_cost if use_checkpoint else program_cost
+
+            def lazy_build(policy):  # Python code is generated for the chosen program only
+                with lazy_programs():
+                    return build(policy)
+
+            units, (program, axes), _ = choose_units(
+                lazy_build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
+                                              data_axes=b[1]), memory_limit)
+            program.graph_module = torch.fx.GraphModule(program.graph_module, program.graph_module.graph)
         else:
-            search_result = plan_search(cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
-                                        **search_args)
-        layout = search_result.layout
-        mesh = search_result.mesh if pipe is None else mesh
-        if train and zero_stage is None:
-            zero_stage = search_result.zero_stage
-            reshard_after_forward = search_result.reshard_after_forward if zero_stage == 3 else None
-        timings["search"] = time.perf_counter() - t
-        _progress(verbose, f"searched {search_result.space_size} candidates ({search_result.evaluated} evaluated) in "
-                           f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
+            # (pipelined plans gather per parameter: a stage cut does not split units yet)
+            units = check_policy(units) if units is not None else (
+                "param" if not bucket_mb or pipe is not None else "block")
+            program, axes = build(units)
+        timings["rewrite"] = time.perf_counter() - t
+        _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
+        fields = dict(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
+                      train=train, timings=timings, zero_stage=stage, data_axes=axes)
+        if pipe is not None:
+            # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
+            plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe,
+                                   cost_model or _cost_model(hardware))
+        else:
+            plan = Plan(**fields)
+        # for plan.cost / plan.alternatives / plan.explain()
+        plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
+        plan.units = units
+        plan.pipeline_decision = decision if auto_pp is not None else None
+        if use_checkpoint:
+            plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
+        plan.example_inputs = (tuple(args), dict(kwargs or {}))
+        plan.reduce_dtype = reduce_dtype
+        if reduce_dtype is not None:
+            widen_gradient_sums(program, reduce_dtype, param_dtype)
+        if strict and plan.unsharded:
+            lapses = plan.unsharded
+            raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
+                              f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
+        return plan
 
-    use_checkpoint = bool(search_result.checkpoint if search_result is not None else checkpoint) and train
-    t = time.perf_counter()
-    resolved = resolve_layout(info, layout, mesh)
-    stage = zero_stage or 0
-    display = {i.name: i.target for i in cap.inputs}
 
-    def build(policy):
-        return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
-                             reshard=True if reshard_after_forward is None else reshard_after_forward,
-                             bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
-                             context=context_options, early_sums=pipe is None)
-
-    context_options = dict(context or {})
-    if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses
-        context_options["variant"] = choose_variant(cost_model or _cost_model(hardware), mesh)
-
-    if units is None and stage == 3 and bucket_mb and searching and pipe is None:
-        # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
-        cm = cost_model or _cost_model(hardware)
-        vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-        cost_fn = checkpointed_program_cost if use_checkpoint else program_cost
-
-        def lazy_build(policy):  # Python code is generated for the chosen program only
-            with lazy_programs():
-                return build(policy)
-
-        units, (program, axes), _ = choose_units(
-            lazy_build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
-                                          data_axes=b[1]), memory_limit)
-        program.graph_module = torch.fx.GraphModule(program.graph_module, program.graph_module.graph)
-    else:
-        # (pipelined plans gather per parameter: a stage cut does not split units yet)
-        units = check_policy(units) if units is not None else (
-            "param" if not bucket_mb or pipe is not None else "block")
-        program, axes = build(units)
-    timings["rewrite"] = time.perf_counter() - t
-    _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
-    fields = dict(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
-                  train=train, timings=timings, zero_stage=stage, data_axes=axes)
-    if pipe is not None:
-        # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
-        plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe,
-                               cost_model or _cost_model(hardware))
-    else:
-        plan = Plan(**fields)
-    # for plan.cost / plan.alternatives / plan.explain()
-    plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
-    plan.units = units
-    plan.pipeline_decision = decision if auto_pp is not None else None
-    if use_checkpoint:
-        plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
-    plan.example_inputs = (tuple(args), dict(kwargs or {}))
-    plan.reduce_dtype = reduce_dtype
-    if reduce_dtype is not None:
-        widen_gradient_sums(program, reduce_dtype, param_dtype)
-    if strict and plan.unsharded:
-        lapses = plan.unsharded
-        raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
-                          f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
-    return plan
+@contextlib.contextmanager
+def _heap_frozen():
+    """Every object alive on entry moved out of the cyclic collector's reach until exit
+    (``gc.freeze``): planning allocates enough to start full collections, and each would
+    traverse the whole captured program again. Nothing is done when objects are frozen already
+    (a caller's, or an outer plan's: they stay as they were) or the collector is off."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()  # the frozen objects join the oldest generation, as long-lived ones would
 
 
 def _batch_size(args, kwargs) -> int:

@@ -475,7 +475,8 @@ def _state_inputs(inputs, vals, input_places, use_places, counts, kinds=("parame
 
 
 def state_memory(inputs, vals: dict, input_places: list, mesh, cm: CostModel, *, train: bool,
-                 zero_stage: int = 0, data_axes=(), storage=None, use_places=None, counts=None) -> dict:
+                 zero_stage: int = 0, data_axes=(), storage=None, use_places=None, counts=None,
+                 memo: Optional[dict] = None) -> dict:
     """Persistent bytes per rank: parameters (and buffers), gradients, optimizer state.
 
     ``inputs``: captured inputs (``.name .kind .trainable``) in placeholder order; ``vals``:
@@ -483,27 +484,46 @@ def state_memory(inputs, vals: dict, input_places: list, mesh, cm: CostModel, *,
     ZeRO-2/3 parameter storage (``ParamStorage`` by placeholder name); ``use_places``: where
     each parameter is used. Mirrors what ``Plan.build`` / ``ShardedOptimizer`` allocate, with
     optimizer state per ``CostModel.opt_bytes``. ``counts``: how many inputs each one stands
-    for (identical blocks)."""
+    for (identical blocks). ``memo``: a dict kept across calls with the same inputs, values,
+    mesh, cost model and ``train`` (the layout search's), caching each input's share by its
+    placements."""
     storage = storage or {}
     use_places = use_places or {}
     out = {"params": 0.0, "buffers": 0.0, "grads": 0.0, "optimizer": 0.0}
+    zero1_axis = data_axes[0] if zero_stage == 1 and data_axes else None
     for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts,
                                                      ("parameter", "buffer", "constant"), trainable=False):
-        stored = _local_numel(v.shape, place, mesh)
-        use_n = _local_numel(v.shape, use, mesh)
         st = storage.get(inp.name)
-        out["params" if inp.kind == "parameter" else "buffers"] += \
-            cnt * es * (use_n if st is not None and st.mode == "persistent" else stored)
-        if not (train and inp.kind == "parameter" and inp.trainable):
-            continue
-        out["grads"] += cnt * es * stored
-        opt = stored
-        if zero_stage == 1 and data_axes:
-            d = slice_dim_for(use, v.shape, mesh, data_axes[0])
-            opt = use_n // mesh.axes[data_axes[0]] if d is not None else use_n
-        out["optimizer"] += cnt * cm.opt_bytes(es) * opt
+        persistent = st is not None and st.mode == "persistent"
+        key = (inp.name, place, use, persistent, zero1_axis, cnt)
+        terms = memo.get(key) if memo is not None else None
+        if terms is None:
+            terms = _state_terms(inp, v, es, place, use, cnt, persistent, zero1_axis, mesh, cm, train)
+            if memo is not None:
+                memo[key] = terms
+        kind, params, grads, opt = terms
+        out[kind] += params
+        if grads is not None:
+            out["grads"] += grads
+            out["optimizer"] += opt
     out["total"] = out["params"] + out["buffers"] + out["grads"] + out["optimizer"]
     return out
+
+
+def _state_terms(inp, v, es, place, use, cnt, persistent, zero1_axis, mesh, cm, train) -> tuple:
+    """One input's share of :func:`state_memory`: (``"params"`` or ``"buffers"``, its bytes,
+    gradient bytes, optimizer bytes; None, None when it has no gradient)."""
+    stored = _local_numel(v.shape, place, mesh)
+    use_n = _local_numel(v.shape, use, mesh)
+    kind = "params" if inp.kind == "parameter" else "buffers"
+    params = cnt * es * (use_n if persistent else stored)
+    if not (train and inp.kind == "parameter" and inp.trainable):
+        return kind, params, None, None
+    opt = stored
+    if zero1_axis is not None:
+        d = slice_dim_for(use, v.shape, mesh, zero1_axis)
+        opt = use_n // mesh.axes[zero1_axis] if d is not None else use_n
+    return kind, params, cnt * es * stored, cnt * cm.opt_bytes(es) * opt
 
 
 def optimizer_collectives(inputs, vals, input_places, mesh, *, zero_stage: int, data_axes=(), storage=None,

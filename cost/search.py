@@ -441,6 +441,9 @@ class SearchSpace:
         self._held_names = [i.name for i in self._st_inputs if i.kind in ("parameter", "buffer", "constant")]
         self._mb_state: dict = {}
         self._ob_shared: dict = {}
+        self._state_terms: dict = {}  # state_memory's per-input shares, by placement
+        self._held_ids: dict = {}  # candidate axes -> number of its held placements (by value)
+        self._held_places: dict = {}  # held placements -> that number
         self._prepare_bounds()
 
     # ------------------------------------------------------------------ enumeration
@@ -756,7 +759,8 @@ class SearchSpace:
             in_places, places, storage, axes = self._full_state(cand)
             kw = dict(zero_stage=cand.zero_stage, data_axes=axes, storage=storage, use_places=dict(places),
                       counts=self._st_counts)
-            st = state_memory(self._st_inputs, self.vals, in_places, self.mesh, self.cm, train=self.train, **kw)
+            st = state_memory(self._st_inputs, self.vals, in_places, self.mesh, self.cm, train=self.train,
+                              memo=self._state_terms, **kw)
             self._state[cand] = (st, in_places, kw)
         return self._state[cand]
 
@@ -873,8 +877,14 @@ class SearchSpace:
         axis the stage uses, and the placements of the parameters, buffers and constants
         (the storage follows from them). Raises LayoutError as :meth:`_full_state` does."""
         places, axes = self._placed(cand)
+        # the placements as a number, one per distinct tuple: the memory bound asks for every
+        # (candidate, stage) pair, and hashing the placements each time cost more than the lookup
+        held = self._held_ids.get(cand.axes)
+        if held is None:
+            held = self._held_ids[cand.axes] = self._held_places.setdefault(
+                tuple(places.get(n) for n in self._held_names), len(self._held_places))
         return (cand.zero_stage, cand.reshard if cand.zero_stage == 3 else None, axes[0] if cand.zero_stage else None,
-                tuple(places.get(n) for n in self._held_names))
+                held)
 
     def _bound_state(self, cand: Candidate) -> dict:
         """:meth:`state`'s bytes for the memory bound. ``state_memory`` reads only the
@@ -958,7 +968,7 @@ class SearchSpace:
             grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
             self.rewrites += 1
             with lazy_programs():
-                program = rewrite(graph, info, resolved, mesh1, grad, self.display,
+                program = rewrite(graph, info, resolved, mesh1, grad, self.display, collectives_only=True,
                                   **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
         except self._LayoutError:
             cache[key] = None

@@ -172,9 +172,37 @@ class Program:
     units: list = field(default_factory=list)  # ZeRO-3 units: (name, tag, [parameter names]), in program order
 
 
+class _Value:
+    """A node of :class:`_CollectivesOnly`: what the rewrite reads back of the nodes it made
+    (their arguments, metadata and name)."""
+
+    __slots__ = ("op", "name", "target", "args", "kwargs", "meta")
+
+    def __init__(self, op, name, target, args, kwargs):
+        self.op, self.name, self.target, self.args, self.kwargs, self.meta = op, name, target, args, kwargs, {}
+
+
+class _CollectivesOnly:
+    """Stands in for the per-rank ``fx.Graph`` when only the program's collectives and
+    placements are wanted (the layout search's one-axis programs): every decision of the
+    rewrite reads the captured graph, the layout and the values' metadata, never the new
+    graph, so its collectives are the same; fx's node naming, argument checks and use lists
+    (a quarter of a rewrite's time), and the collection of the graph's cycles, are saved."""
+
+    def placeholder(self, name):
+        return _Value("placeholder", name, name, (), {})
+
+    def call_function(self, target, args=(), kwargs=None):
+        return _Value("call_function", getattr(target, "__name__", str(target)), target, args, kwargs or {})
+
+    def output(self, result):
+        return _Value("output", "output", "output", (result,), {})
+
+
 class _Rewriter:
     def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
-                 storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None):
+                 storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
+                 collectives_only: bool = False):
         # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
         # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
@@ -192,7 +220,7 @@ class _Rewriter:
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
-        self.g = fx.Graph()
+        self.g = _CollectivesOnly() if collectives_only else fx.Graph()
         self.local: dict = {}  # node -> new node
         self.place: dict = {}  # node -> list of placements per output
         self.cache: dict = {}
@@ -247,9 +275,11 @@ class _Rewriter:
         return self.info.dim_name(self.info.of(node, out)[d])
 
     # ------------------------------------------------------------------ conversions
-    def convert(self, src: fx.Node, out: int, target: tuple, varying: set, consumer: fx.Node, reason: str):
+    def convert(self, src: fx.Node, out: int, target: tuple, varying: set, consumer: fx.Node, reason):
         """Local node holding ``src`` (output ``out``) with placement ``target``; ``varying``:
-        axes on which the consumer's work differs per rank (so gradients must be summed)."""
+        axes on which the consumer's work differs per rank (so gradients must be summed).
+        ``reason``: why the consumer needs it so, or a function wording it (called only when a
+        conversion is emitted)."""
         cur = self.place[src][out]
         for o, t, a in zip(cur, target, self.axes):
             if isinstance(o, Owned) and o != t:
@@ -373,6 +403,8 @@ class _Rewriter:
                 f"mesh order {list(self.axes)} and keep them together")
 
     def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=()):
+        if callable(reason):
+            reason = reason()
         tag = self.tag
         self.tag += 1
         new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag})
@@ -487,7 +519,7 @@ class _Rewriter:
                 raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
         bucketed = self.take_bucketed()
         # (inside lazy_programs() the Python code is generated only if the program is run or printed)
-        gm = _make_graph_module(torch.nn.Module(), self.g)
+        gm = None if isinstance(self.g, _CollectivesOnly) else _make_graph_module(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
                        self.collectives, self.fallbacks, placeholders, frozenset(self.reshard_tags),
                        dict(self.storage), use_places, bucketed)
@@ -691,10 +723,10 @@ class _Rewriter:
 
     def map_args(self, node, ix, targets, varying_axes, modes):
         converted = {}
+        why = lambda: self.reason(node, ix, modes, ())  # noqa: E731 (worded only for a conversion emitted)
         for j, (path, letters) in enumerate(ix.inputs):
             src = get_path(node, path)
-            converted[path] = self.convert(src, 0, tuple(targets[j]), varying_axes, node,
-                                           self.reason(node, ix, modes, letters))
+            converted[path] = self.convert(src, 0, tuple(targets[j]), varying_axes, node, why)
         return self.replace_args(node, converted)
 
     def reason(self, node, ix, modes, letters) -> str:
@@ -862,13 +894,17 @@ def lazy_programs():
 
 
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
-            storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None) -> Program:
+            storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
+            collectives_only: bool = False) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
     ``bucket_candidates``: parameters whose ``bucket_axis`` gradient sync may be bucketed;
     ``regions``: {node: visitor} for nodes another pass writes (``passes.experts.lowerings``);
-    ``fixed``: placements of inputs decided by such a pass."""
+    ``fixed``: placements of inputs decided by such a pass. ``collectives_only``: the program's
+    collectives and placements without its graph (``graph_module`` None; no gradient buckets)."""
+    if collectives_only and bucket_axis is not None:
+        raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = requires_grad_nodes(graph, grad_inputs)
     return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
-                     bucket_candidates, regions, fixed).run()
+                     bucket_candidates, regions, fixed, collectives_only).run()

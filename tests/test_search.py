@@ -290,3 +290,35 @@ def test_calibrate_writes_a_loadable_hardware_file(tmp_path):
     model, args, dims = llama_tiny(with_labels=True)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"x": 2}), dims=dims, hardware=str(tmp_path / "hw.json"))
     assert plan.cost["hardware"] == "calibrated"
+
+
+def test_planning_freezes_the_captured_heap_and_restores_the_collector(monkeypatch):
+    """The objects alive when planning starts (the captured program) are out of the cyclic
+    collector's reach while the search and the final rewrite run, and the collector is left as
+    found: after a plan, after a planning error, and under a caller's own gc.freeze()."""
+    import gc
+    import autoshard.api as api
+
+    seen = []
+    real = api.plan_search
+
+    def spy(*a, **k):
+        seen.append(gc.get_freeze_count())
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "plan_search", spy)
+    model, args, dims = llama_tiny()
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, search=True)
+    assert seen and seen[-1] > 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    with pytest.raises(autoshard.LayoutError):  # raised after the capture, inside the frozen part
+        autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, layout={"no_such_dim": "tp"}, search=True)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()  # a caller's frozen objects stay frozen
+    try:
+        before = gc.get_freeze_count()
+        autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=dims, search=True)
+        assert 0 < gc.get_freeze_count() <= before  # (some may have been freed meanwhile)
+    finally:
+        gc.unfreeze()

@@ -68,3 +68,67 @@ def test_bounds_on_llama_dp2xtp2_training():
     cap, info = prepared(model, args, dims)
     _check_space(SearchSpace(cap.graph, cap.inputs, info, autoshard.Mesh({"dp": 2, "tp": 2}),
                              CostModel(load_hardware("h100")), train=True))
+
+
+@pytest.mark.parametrize("case", ["llama-mask-cp2", "llama-dp2xtp2"])
+def test_one_axis_programs_without_graph_equal_the_whole_rewrite(monkeypatch, case):
+    """The communication bounds' one-axis programs are rewritten without building their graph
+    (``rewrite(collectives_only=True)``): their collectives and placements must be exactly those
+    of the full rewrite, for every axis option of the space (soft entries, context parallelism)."""
+    import autoshard.cost.search as S
+    from autoshard import Mesh
+    from examples.models import llama_tiny
+
+    real, compared = S.rewrite, []
+
+    def both(*a, **k):
+        got = real(*a, **k)
+        if k.get("collectives_only"):
+            full = real(*a, **{**k, "collectives_only": False})
+            assert got.graph_module is None and full.graph_module is not None
+            assert got.collectives == full.collectives
+            assert (got.placements, got.input_placements, got.output_placements) == (
+                full.placements, full.input_placements, full.output_placements)
+            compared.append(sorted({c.op for c in got.collectives}))
+        return got
+
+    monkeypatch.setattr(S, "rewrite", both)
+    if case == "llama-mask-cp2":
+        (model, args, dims), mesh = llama_tiny(with_mask=True, with_labels=True, seq=16), Mesh({"cp": 2})
+    else:
+        (model, args, dims), mesh = llama_tiny(with_labels=True), Mesh({"dp": 2, "tp": 2})
+    cap, info = prepared(model, args, dims)
+    space = SearchSpace(cap.graph, cap.inputs, info, mesh, CostModel(load_hardware("h100")), train=True)
+    for c in space.space():
+        try:
+            space.comm_bound(c)
+            space.stream_bound(c)
+        except autoshard.LayoutError:
+            continue
+    assert len(compared) >= 3 and any(compared)
+    if case == "llama-mask-cp2":  # context-parallel attention's lowering ran without a graph too
+        assert any({"ring_attention", "allgather_attention"} & set(ops) for ops in compared)
+
+
+def test_state_memory_shares_equal_the_whole_computation():
+    """The search's state (memory bound, evaluation) sums per-input shares cached by placement
+    (``state_memory(memo=...)``): equal, to the bit, to the state computed afresh, for every
+    candidate and ZeRO stage of a training space."""
+    from autoshard import Mesh
+    from autoshard.cost.model import state_memory
+    from examples.models import llama_tiny
+
+    model, args, dims = llama_tiny(with_labels=True)
+    cap, info = prepared(model, args, dims)
+    space = SearchSpace(cap.graph, cap.inputs, info, Mesh({"dp": 2, "tp": 2}), CostModel(load_hardware("h100")),
+                        train=True)
+    checked = 0
+    for c in space.space():
+        try:
+            st, in_places, kw = space.state(c)
+        except autoshard.LayoutError:
+            continue
+        fresh = state_memory(space._st_inputs, space.vals, in_places, space.mesh, space.cm, train=True, **kw)
+        assert st == fresh, c.describe()
+        checked += 1
+    assert checked > 20 and len(space._state_terms) < checked * len(space._st_inputs)
