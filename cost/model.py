@@ -268,7 +268,8 @@ class Comm:
     regather_bytes: int = 0
     gathered_param_bytes: int = 0  # output bytes of a parameter gather (ZeRO-3 temporaries)
     buffer_bytes: int = 0  # send + receive buffers of the largest part
-    # ZeRO-3 units: the gather was started when the previous unit's finished (prefetch), and
+    # ZeRO-3 units: the gather was started when the previous unit's finished (prefetch) or after
+    # the plain collectives on its axes that follow that one (passes/units.py), and
     # the flat buffers are copied in and out (forward; backward with the gradient buffers).
     prefetched: bool = False
     copy_fwd_s: float = 0.0
@@ -632,6 +633,7 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
 
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     issued = 0.0  # when the next ZeRO-3 unit's gather is started (prefetch)
+    unit_axes = None  # the axes of the last unit gathered
     for seg in segments:
         for it in seg.items:
             if isinstance(it, tuple):
@@ -644,8 +646,11 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
                     prefetched(it.fwd_s, key, issued)
                 else:
                     blocking(it.fwd_s, key)
+                    if it.axes == unit_axes:
+                        # the next unit's gather is started after the plain collectives before it
+                        issued = max(issued, tm)
                 if it.copy_fwd_s:
-                    issued = tc
+                    issued, unit_axes = tc, it.axes
                     tc += it.copy_fwd_s
                     compute["forward"] += it.copy_fwd_s
     if train:

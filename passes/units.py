@@ -138,10 +138,34 @@ def group_units(program, policy, mesh, display: dict) -> list:
         nodes.append(node)
         next_tag += 1
     for node, nxt in zip(nodes, nodes[1:]):
-        # (tag last, as in every collective call of the program)
-        node.kwargs = {"prefetch": (nxt.args[0], nxt.args[2], nxt.kwargs["tag"]), "tag": node.kwargs["tag"]}
+        plain = last_plain_collective(node, nxt)
+        if plain is None:
+            # (tag last, as in every collective call of the program)
+            node.kwargs = {"prefetch": (nxt.args[0], nxt.args[2], nxt.kwargs["tag"]), "tag": node.kwargs["tag"]}
+            continue
+        # A group runs its collectives one after another: started at ``node``, the next unit's
+        # gather would hold up the plain ones in between. Start it after the last of them.
+        with graph.inserting_after(plain):
+            graph.call_function(C.start_gather_unit, (nxt.args[0], nxt.args[1]), {"tag": nxt.kwargs["tag"]})
     program.graph_module.recompile()
     return units
+
+
+def last_plain_collective(node, nxt):
+    """The last collective between two ``gather_unit`` nodes whose forward communicates on
+    their axis (a parameter gathered for replicated use, a sum), or None."""
+    axis, last = node.args[1], None
+    cur = node.next
+    while cur is not nxt:
+        fn = cur.target if cur.op == "call_function" else None
+        op = getattr(fn, "__name__", None)
+        if C.COLLECTIVES.get(op) is fn and op is not None and len(cur.args) > 1 and cur.args[1] == axis:
+            if C.forward_collective(op) is not None:
+                last = cur
+        elif fn is C.start_all_reduce and cur.args[1] == axis:
+            last = cur
+        cur = cur.next
+    return last
 
 
 def unit_collectives(unit, names, shards, axis, tag, reshard, mesh, display) -> list:

@@ -141,3 +141,44 @@ def test_backward_prefetch_looks_past_a_small_unit():
 
     for started in run_simulated(Mesh({"dp": 2}), body):
         assert started == [3, 2, 1]
+
+
+class _Embedded(torch.nn.Module):
+    """Token and position embeddings (the position table is gathered for replicated use, by a
+    plain all_gather between the units), then two blocks and a head."""
+
+    def __init__(self, vocab=16, seq=8, dim=8):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(seq, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, labels):
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_next_unit_gather_starts_after_the_plain_collectives_before_it():
+    """A group runs its collectives one after another: the position table's all_gather must
+    not queue behind the first block's prefetched gather, so that gather starts after it. The
+    order is the program's on every rank, and training stays bit for bit per-parameter's."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g)
+    out = {}
+    for units in ("param", "block"):
+        torch.manual_seed(0)
+        plan = autoshard.autoshard(_Embedded(), (tokens, labels), mesh=Mesh({"dp": 2}),
+                                   dims={"tokens": "batch seq", "labels": "batch seq"}, layout={"batch": "dp"},
+                                   train=True, search=False, zero_stage=3, units=units)
+        out[units] = plan.simulate_train([(tokens, labels)] * 2, optimizer=adamw)
+    pos_tag = next(c.tag for c in plan.collectives if c.op == "all_gather" and c.where == "pos")
+    first_block = next(tag for name, tag, _ in plan.program.units if name == "layers.0")
+    for trace in plan.last_trace:
+        fwd = [r.tag for r in trace if r.phase == "forward" and r.kind == "all_gather"]
+        assert fwd.index(pos_tag) < fwd.index(first_block)
+    assert out["param"][0] == out["block"][0]
+    assert all(torch.equal(out["param"][1][k], v) for k, v in out["block"][1].items())

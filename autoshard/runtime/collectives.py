@@ -679,6 +679,27 @@ class _GatherUnit(torch.autograd.Function):
         return none + tuple(g.to(dt) for g, dt in zip(units.unpack_shards(out, fctx.shapes), fctx.dtypes))
 
 
+def start_gather_unit(shards, axis: str, tag: int) -> None:
+    """Start the flat all-gather that the ``gather_unit`` node tagged ``tag`` then waits for
+    instead of sending (its forward prefetch), at a point of the program of its own: placed
+    after the plain collectives that run between the previous unit's gather and this one's
+    (``passes/units.py``), so they are not queued behind this larger gather on the axis's
+    group. Outside forward (a recompute in backward) it does nothing.
+
+    Example::
+
+        start_gather_unit((w1_shard, w2_shard), "dp", tag=5)   # after the last plain collective
+        ...                                                   # compute
+        w1, w2 = gather_unit((w1_shard, w2_shard), "dp", (0, 0), tag=5)   # waits for it
+    """
+    rctx = current("autoshard collective start_gather_unit")
+    rctx.mesh.check_axis(axis)
+    if _phase(rctx) != "forward" or tag in rctx.prefetched:
+        return
+    rctx.prefetched[tag] = _start(rctx, "all_gather", units.pack_shards(tuple(shards)), axis, "gather_unit", tag,
+                                  "forward")
+
+
 def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None) -> tuple:
     """ZeRO-3 / FSDP: every parameter of a unit, Shard(dims[i]) -> Replicate for varying use,
     in one flat all-gather; backward reduce-scatters their gradients in one flat buffer
@@ -720,4 +741,4 @@ COLLECTIVES = {
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()
 # Functions a program calls that are not collectives of their own (no adjoint, no comment).
-PROGRAM_HELPERS = (start_all_reduce,)
+PROGRAM_HELPERS = (start_all_reduce, start_gather_unit)
