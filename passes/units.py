@@ -137,11 +137,15 @@ def group_units(program, policy, mesh, display: dict) -> list:
         units.append((unit, next_tag, names))
         nodes.append(node)
         next_tag += 1
+    for prev, node in zip([None] + nodes, nodes):
+        if holds_reduce_scatter(prev, node):
+            node.kwargs = {**node.kwargs, "hold": True}
     for node, nxt in zip(nodes, nodes[1:]):
         plain = last_plain_collective(node, nxt)
         if plain is None:
             # (tag last, as in every collective call of the program)
-            node.kwargs = {"prefetch": (nxt.args[0], nxt.args[2], nxt.kwargs["tag"]), "tag": node.kwargs["tag"]}
+            node.kwargs = {**{k: v for k, v in node.kwargs.items() if k != "tag"},
+                           "prefetch": (nxt.args[0], nxt.args[2], nxt.kwargs["tag"]), "tag": node.kwargs["tag"]}
             continue
         # A group runs its collectives one after another: started at ``node``, the next unit's
         # gather would hold up the plain ones in between. Start it after the last of them.
@@ -149,6 +153,23 @@ def group_units(program, policy, mesh, display: dict) -> list:
             graph.call_function(C.start_gather_unit, (nxt.args[0], nxt.args[1]), {"tag": nxt.kwargs["tag"]})
     program.graph_module.recompile()
     return units
+
+
+def holds_reduce_scatter(prev, node) -> bool:
+    """Whether a collective between the ``gather_unit`` nodes ``prev`` (None: the program's
+    start) and ``node`` communicates on their axis in backward (a gradient sum): backward runs
+    it after ``node``'s reduce-scatter is ready, so that reduce-scatter is held until it ran
+    rather than queued ahead of it (``gather_unit(..., hold=True)``)."""
+    axis = node.args[1]
+    cur = prev.next if prev is not None else node.graph._root.next
+    while cur is not node:
+        fn = cur.target if cur.op == "call_function" else None
+        op = getattr(fn, "__name__", None)
+        if (op is not None and C.COLLECTIVES.get(op) is fn and len(cur.args) > 1 and cur.args[1] == axis
+                and C.backward_collective(op) is not None):
+            return True
+        cur = cur.next
+    return False
 
 
 def last_plain_collective(node, nxt):

@@ -161,10 +161,12 @@ class _Embedded(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
-def test_next_unit_gather_starts_after_the_plain_collectives_before_it():
-    """A group runs its collectives one after another: the position table's all_gather must
-    not queue behind the first block's prefetched gather, so that gather starts after it. The
-    order is the program's on every rank, and training stays bit for bit per-parameter's."""
+def test_unit_collectives_do_not_hold_up_the_plain_ones_between_units():
+    """A group runs its collectives one after another. Forward: the position table's
+    all_gather must not queue behind the first block's prefetched gather, so that gather
+    starts after it. Backward: the first block's reduce-scatter is held until the sum of the
+    position rows' gradient has run. The order is the same on every rank, and training stays
+    bit for bit per-parameter's."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     tokens, labels = torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g)
@@ -177,8 +179,14 @@ def test_next_unit_gather_starts_after_the_plain_collectives_before_it():
         out[units] = plan.simulate_train([(tokens, labels)] * 2, optimizer=adamw)
     pos_tag = next(c.tag for c in plan.collectives if c.op == "all_gather" and c.where == "pos")
     first_block = next(tag for name, tag, _ in plan.program.units if name == "layers.0")
+    pos_sum = next(c.tag for c in plan.collectives if c.op == "mark_varying" and c.phase == "backward")
+    orders = []
     for trace in plan.last_trace:
         fwd = [r.tag for r in trace if r.phase == "forward" and r.kind == "all_gather"]
         assert fwd.index(pos_tag) < fwd.index(first_block)
+        bwd = [r.tag for r in trace if r.phase == "backward" and r.kind in ("all_reduce", "reduce_scatter")]
+        assert bwd.index(pos_sum) < bwd.index(first_block)
+        orders.append([(r.phase, r.kind, r.tag) for r in trace])
+    assert orders[0] == orders[1]
     assert out["param"][0] == out["block"][0]
     assert all(torch.equal(out["param"][1][k], v) for k, v in out["block"][1].items())
