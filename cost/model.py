@@ -46,7 +46,7 @@ from autoshard.ownership import held_fraction, slice_dim_for
 from autoshard.passes.early_sums import EARLY_COPY
 from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.buckets import assign_buckets
-from autoshard.runtime.collectives import backward_collective
+from autoshard.runtime.collectives import backward_collective, start_gather_unit
 
 from .context import attention_seconds
 from .comm import R as R_SYM, V as V_SYM, collective_bytes, collective_formula, collective_time
@@ -363,8 +363,11 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
         pend[0] = pend[1] = 0.0
 
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is _GETITEM or node.meta.get(EARLY_COPY):
-            continue  # (a forward sum's early start is costed where its all_reduce waits)
+        if (node.op != "call_function" or node.target is _GETITEM or node.meta.get(EARLY_COPY)
+                or node.target is start_gather_unit):
+            # (a forward sum's early start is costed where its all_reduce waits, a unit's
+            # separate start where the unit is gathered)
+            continue
         block = block_of_module(_module_of_local(node))
         if cur is None or block != cur.block:
             flush()

@@ -12,7 +12,7 @@ import autoshard
 from autoshard import Mesh
 from autoshard.passes.units import unit_of
 from autoshard.runtime import all_gather_varying, run_simulated
-from autoshard.runtime.collectives import gather_unit
+from autoshard.runtime.collectives import gather_unit, start_gather_unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
@@ -188,5 +188,14 @@ def test_unit_collectives_do_not_hold_up_the_plain_ones_between_units():
         assert bwd.index(pos_sum) < bwd.index(first_block)
         orders.append([(r.phase, r.kind, r.tag) for r in trace])
     assert orders[0] == orders[1]
+    # the separate start is costed with its unit, not as a second gather
+    graph = plan.program.graph_module.graph
+    starts = [n for n in graph.nodes if n.target is start_gather_unit]
+    compute = plan.cost["compute"]
+    assert starts
+    for n in starts:
+        graph.erase_node(n)
+    plan._autoshard_cost = None  # (cached on the plan)
+    assert plan.cost["compute"] == compute
     assert out["param"][0] == out["block"][0]
     assert all(torch.equal(out["param"][1][k], v) for k, v in out["block"][1].items())
