@@ -46,7 +46,7 @@ from autoshard.ownership import held_fraction, slice_dim_for
 from autoshard.passes.early_sums import EARLY_COPY
 from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.buckets import assign_buckets
-from autoshard.runtime.collectives import backward_collective
+from autoshard.runtime.collectives import backward_collective, start_gather_unit
 
 from .context import attention_seconds
 from .comm import R as R_SYM, V as V_SYM, collective_bytes, collective_formula, collective_time
@@ -268,7 +268,8 @@ class Comm:
     regather_bytes: int = 0
     gathered_param_bytes: int = 0  # output bytes of a parameter gather (ZeRO-3 temporaries)
     buffer_bytes: int = 0  # send + receive buffers of the largest part
-    # ZeRO-3 units: the gather was started when the previous unit's finished (prefetch), and
+    # ZeRO-3 units: the gather was started when the previous unit's finished (prefetch) or after
+    # the plain collectives on its axes that follow that one (passes/units.py), and
     # the flat buffers are copied in and out (forward; backward with the gradient buffers).
     prefetched: bool = False
     copy_fwd_s: float = 0.0
@@ -362,8 +363,11 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
         pend[0] = pend[1] = 0.0
 
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is _GETITEM or node.meta.get(EARLY_COPY):
-            continue  # (a forward sum's early start is costed where its all_reduce waits)
+        if (node.op != "call_function" or node.target is _GETITEM or node.meta.get(EARLY_COPY)
+                or node.target is start_gather_unit):
+            # (a forward sum's early start is costed where its all_reduce waits, a unit's
+            # separate start where the unit is gathered)
+            continue
         block = block_of_module(_module_of_local(node))
         if cur is None or block != cur.block:
             flush()
@@ -660,6 +664,7 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
 
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     issued = 0.0  # when the next ZeRO-3 unit's gather is started (prefetch)
+    unit_axes = None  # the axes of the last unit gathered
     for seg in segments:
         for it in seg.items:
             if isinstance(it, tuple):
@@ -672,8 +677,11 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
                     prefetched(it.fwd_s, key, issued)
                 else:
                     blocking(it.fwd_s, key)
+                    if it.axes == unit_axes:
+                        # the next unit's gather is started after the plain collectives before it
+                        issued = max(issued, tm)
                 if it.copy_fwd_s:
-                    issued = tc
+                    issued, unit_axes = tc, it.axes
                     tc += it.copy_fwd_s
                     compute["forward"] += it.copy_fwd_s
     if train:

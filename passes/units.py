@@ -137,11 +137,56 @@ def group_units(program, policy, mesh, display: dict) -> list:
         units.append((unit, next_tag, names))
         nodes.append(node)
         next_tag += 1
+    for prev, node in zip([None] + nodes, nodes):
+        if holds_reduce_scatter(prev, node):
+            node.kwargs = {**node.kwargs, "hold": True}
     for node, nxt in zip(nodes, nodes[1:]):
-        # (tag last, as in every collective call of the program)
-        node.kwargs = {"prefetch": (nxt.args[0], nxt.args[2], nxt.kwargs["tag"]), "tag": node.kwargs["tag"]}
+        plain = last_plain_collective(node, nxt)
+        if plain is None:
+            # (tag last, as in every collective call of the program)
+            node.kwargs = {**{k: v for k, v in node.kwargs.items() if k != "tag"},
+                           "prefetch": (nxt.args[0], nxt.args[2], nxt.kwargs["tag"]), "tag": node.kwargs["tag"]}
+            continue
+        # A group runs its collectives one after another: started at ``node``, the next unit's
+        # gather would hold up the plain ones in between. Start it after the last of them.
+        with graph.inserting_after(plain):
+            graph.call_function(C.start_gather_unit, (nxt.args[0], nxt.args[1]), {"tag": nxt.kwargs["tag"]})
     program.graph_module.recompile()
     return units
+
+
+def holds_reduce_scatter(prev, node) -> bool:
+    """Whether a collective between the ``gather_unit`` nodes ``prev`` (None: the program's
+    start) and ``node`` communicates on their axis in backward (a gradient sum): backward runs
+    it after ``node``'s reduce-scatter is ready, so that reduce-scatter is held until it ran
+    rather than queued ahead of it (``gather_unit(..., hold=True)``)."""
+    axis = node.args[1]
+    cur = prev.next if prev is not None else node.graph._root.next
+    while cur is not node:
+        fn = cur.target if cur.op == "call_function" else None
+        op = getattr(fn, "__name__", None)
+        if (op is not None and C.COLLECTIVES.get(op) is fn and len(cur.args) > 1 and cur.args[1] == axis
+                and C.backward_collective(op) is not None):
+            return True
+        cur = cur.next
+    return False
+
+
+def last_plain_collective(node, nxt):
+    """The last collective between two ``gather_unit`` nodes whose forward communicates on
+    their axis (a parameter gathered for replicated use, a sum), or None."""
+    axis, last = node.args[1], None
+    cur = node.next
+    while cur is not nxt:
+        fn = cur.target if cur.op == "call_function" else None
+        op = getattr(fn, "__name__", None)
+        if C.COLLECTIVES.get(op) is fn and op is not None and len(cur.args) > 1 and cur.args[1] == axis:
+            if C.forward_collective(op) is not None:
+                last = cur
+        elif fn is C.start_all_reduce and cur.args[1] == axis:
+            last = cur
+        cur = cur.next
+    return last
 
 
 def unit_collectives(unit, names, shards, axis, tag, reshard, mesh, display) -> list:

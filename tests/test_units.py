@@ -12,7 +12,7 @@ import autoshard
 from autoshard import Mesh
 from autoshard.passes.units import unit_of
 from autoshard.runtime import all_gather_varying, run_simulated
-from autoshard.runtime.collectives import gather_unit
+from autoshard.runtime.collectives import gather_unit, start_gather_unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
@@ -141,3 +141,61 @@ def test_backward_prefetch_looks_past_a_small_unit():
 
     for started in run_simulated(Mesh({"dp": 2}), body):
         assert started == [3, 2, 1]
+
+
+class _Embedded(torch.nn.Module):
+    """Token and position embeddings (the position table is gathered for replicated use, by a
+    plain all_gather between the units), then two blocks and a head."""
+
+    def __init__(self, vocab=16, seq=8, dim=8):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(seq, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, labels):
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_unit_collectives_do_not_hold_up_the_plain_ones_between_units():
+    """A group runs its collectives one after another. Forward: the position table's
+    all_gather must not queue behind the first block's prefetched gather, so that gather
+    starts after it. Backward: the first block's reduce-scatter is held until the sum of the
+    position rows' gradient has run. The order is the same on every rank, and training stays
+    bit for bit per-parameter's."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g)
+    out = {}
+    for units in ("param", "block"):
+        torch.manual_seed(0)
+        plan = autoshard.autoshard(_Embedded(), (tokens, labels), mesh=Mesh({"dp": 2}),
+                                   dims={"tokens": "batch seq", "labels": "batch seq"}, layout={"batch": "dp"},
+                                   train=True, search=False, zero_stage=3, units=units)
+        out[units] = plan.simulate_train([(tokens, labels)] * 2, optimizer=adamw)
+    pos_tag = next(c.tag for c in plan.collectives if c.op == "all_gather" and c.where == "pos")
+    first_block = next(tag for name, tag, _ in plan.program.units if name == "layers.0")
+    pos_sum = next(c.tag for c in plan.collectives if c.op == "mark_varying" and c.phase == "backward")
+    orders = []
+    for trace in plan.last_trace:
+        fwd = [r.tag for r in trace if r.phase == "forward" and r.kind == "all_gather"]
+        assert fwd.index(pos_tag) < fwd.index(first_block)
+        bwd = [r.tag for r in trace if r.phase == "backward" and r.kind in ("all_reduce", "reduce_scatter")]
+        assert bwd.index(pos_sum) < bwd.index(first_block)
+        orders.append([(r.phase, r.kind, r.tag) for r in trace])
+    assert orders[0] == orders[1]
+    # the separate start is costed with its unit, not as a second gather
+    graph = plan.program.graph_module.graph
+    starts = [n for n in graph.nodes if n.target is start_gather_unit]
+    compute = plan.cost["compute"]
+    assert starts
+    for n in starts:
+        graph.erase_node(n)
+    plan._autoshard_cost = None  # (cached on the plan)
+    assert plan.cost["compute"] == compute
+    assert out["param"][0] == out["block"][0]
+    assert all(torch.equal(out["param"][1][k], v) for k, v in out["block"][1].items())

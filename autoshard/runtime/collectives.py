@@ -118,7 +118,10 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
         ctx.trace.append(CollectiveRecord(kind=primitive, axis=axis, bytes=x.numel() * x.element_size(), phase=phase,
                                           tag=tag, op=op, shape=tuple(x.shape), dtype=x.dtype))
         return x.clone()
-    return _call_backend(ctx, primitive, primitive, x, axis, dims, op, tag, phase)
+    out = _call_backend(ctx, primitive, primitive, x, axis, dims, op, tag, phase)
+    if ctx.held:
+        _release_held(ctx, axis)
+    return out
 
 
 def _call_backend(ctx: RankContext, method: str, primitive: str, x: torch.Tensor, axis: str, dims: tuple,
@@ -148,9 +151,41 @@ def _start(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, op: str
     """Issue a dim-0 all-gather / reduce-scatter of a flat buffer without waiting (a backend
     that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it at the
     same point of the program, so the order of collectives stays the same on all ranks."""
+    if ctx.held:
+        _release_held(ctx, axis)
     if ctx.mesh.axis_size(axis) == 1:
         return Pending(_run(ctx, primitive, x, axis, (0,), op, tag, phase))  # a group of one: done
     return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase)
+
+
+class _Held:
+    """A unit's gradient reduce-scatter, ready but not yet started: it starts once the next
+    collective on its axis has run (or right before the next one started without waiting, or
+    when backward ends), so a plain collective in between does not queue behind it. These
+    points are the same on every rank, so the order of collectives is too."""
+
+    def __init__(self, rctx, flat, axis, tag):
+        self.rctx, self.flat, self.axis, self.tag, self.pending = rctx, flat, axis, tag, None
+        rctx.held.append(self)
+
+    def start(self):
+        if self.pending is None:
+            if self in self.rctx.held:
+                self.rctx.held.remove(self)
+            self.pending = _start(self.rctx, "reduce_scatter", self.flat, self.axis, "gather_unit", self.tag,
+                                  "backward")
+            self.flat = None
+        return self.pending
+
+    def wait(self):
+        return self.start().wait()
+
+
+def _release_held(ctx: RankContext, axis: str) -> None:
+    held = [h for h in ctx.held if h.axis == axis]
+    ctx.held = [h for h in ctx.held if h.axis != axis]
+    for h in held:
+        h.start()
 
 
 def _phase(rctx: RankContext) -> str:
@@ -676,7 +711,7 @@ class _GatherUnit(torch.autograd.Function):
     backward ends, so it runs under the rest of backward."""
 
     @staticmethod
-    def forward(fctx, axis, dims, tag, prefetch, *shards):
+    def forward(fctx, axis, dims, tag, prefetch, hold, *shards):
         rctx = current("autoshard collective gather_unit")
         phase = _phase(rctx)
         # Trainable leaves (a LocalModule's parameters) get their gradients from the landing.
@@ -698,6 +733,7 @@ class _GatherUnit(torch.autograd.Function):
             for i, full in enumerate(fulls):
                 _register_reshard(rctx, full, source, i)
         fctx.rctx, fctx.axis, fctx.dims, fctx.tag, fctx.shapes = rctx, axis, dims, tag, shapes
+        fctx.hold = hold
         fctx.full_shapes = [tuple(f.shape) for f in fulls]
         fctx.dtypes = [f.dtype for f in fulls]
         return tuple(fulls)
@@ -710,7 +746,7 @@ class _GatherUnit(torch.autograd.Function):
         grads = [g.detach() if g is not None else torch.zeros(shape, dtype=dt)
                  for g, shape, dt in zip(grads, fctx.full_shapes, fctx.dtypes)]
         flat = units.pack_grads(grads, fctx.dims, n, dtype=reduce_dtype_for(rctx, grads[0]))
-        none = (None,) * 4
+        none = (None,) * 5
         key = ("gather_unit", fctx.tag, axis)
         if axis in rctx.defer_axes:
             # Sum(k microbatches) then reduce == reduce each then sum: send once, at the end.
@@ -724,17 +760,42 @@ class _GatherUnit(torch.autograd.Function):
             if rctx.landing is None:
                 rctx.landing = units.GradLanding()
             rctx.landing.add(leaves, fctx.shapes,
-                             _start(rctx, "reduce_scatter", flat, axis, "gather_unit", fctx.tag, "backward"))
+                             _Held(rctx, flat, axis, fctx.tag) if fctx.hold
+                             else _start(rctx, "reduce_scatter", flat, axis, "gather_unit", fctx.tag, "backward"))
             return none + (None,) * len(fctx.shapes)
         out = _run(rctx, "reduce_scatter", flat, axis, (0,), "gather_unit", fctx.tag, "backward")
         return none + tuple(g.to(dt) for g, dt in zip(units.unpack_shards(out, fctx.shapes), fctx.dtypes))
 
 
-def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None) -> tuple:
+def start_gather_unit(shards, axis: str, tag: int) -> None:
+    """Start the flat all-gather that the ``gather_unit`` node tagged ``tag`` then waits for
+    instead of sending (its forward prefetch), at a point of the program of its own: placed
+    after the plain collectives that run between the previous unit's gather and this one's
+    (``passes/units.py``), so they are not queued behind this larger gather on the axis's
+    group. Outside forward (a recompute in backward) it does nothing.
+
+    Example::
+
+        start_gather_unit((w1_shard, w2_shard), "dp", tag=5)   # after the last plain collective
+        ...                                                   # compute
+        w1, w2 = gather_unit((w1_shard, w2_shard), "dp", (0, 0), tag=5)   # waits for it
+    """
+    rctx = current("autoshard collective start_gather_unit")
+    rctx.mesh.check_axis(axis)
+    if _phase(rctx) != "forward" or tag in rctx.prefetched:
+        return
+    rctx.prefetched[tag] = _start(rctx, "all_gather", units.pack_shards(tuple(shards)), axis, "gather_unit", tag,
+                                  "forward")
+
+
+def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None, hold: bool = False) -> tuple:
     """ZeRO-3 / FSDP: every parameter of a unit, Shard(dims[i]) -> Replicate for varying use,
     in one flat all-gather; backward reduce-scatters their gradients in one flat buffer
     (:mod:`autoshard.runtime.units`). ``prefetch=(next shards, next dims, next tag)`` starts the
     next unit's gather as soon as this one is done, so it overlaps this unit's compute.
+    ``hold=True``: backward starts the reduce-scatter only once the next collective on ``axis``
+    has run (a plain one the program runs between this unit's backward and the previous
+    unit's, which would otherwise wait behind it).
 
     Trainable leaf shards (a ``LocalModule``'s parameters) get their gradients asynchronously:
     the reduce-scatter starts when the unit's last gradient is ready and is added into
@@ -749,7 +810,7 @@ def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None) 
         raise TypeError("gather_unit expects a non-empty tuple of tensors")
     current("autoshard collective gather_unit").mesh.check_axis(axis)
     dims = tuple(_dim(s, d, "gather_unit") for s, d in zip(shards, dims))
-    return _GatherUnit.apply(axis, dims, tag, prefetch, *shards)
+    return _GatherUnit.apply(axis, dims, tag, prefetch, hold, *shards)
 
 
 COLLECTIVES = {
@@ -771,4 +832,4 @@ COLLECTIVES = {
 }
 assert COLLECTIVES.keys() == ADJOINTS.keys()
 # Functions a program calls that are not collectives of their own (no adjoint, no comment).
-PROGRAM_HELPERS = (start_all_reduce,)
+PROGRAM_HELPERS = (start_all_reduce, start_gather_unit)

@@ -74,6 +74,9 @@ class RankContext:
     # back to the gradient's dtype.
     reduce_dtype: Any = None
     landing: Any = None
+    # ZeRO-3 units: gradient reduce-scatters held until the next collective on their axis has
+    # run (a plain one that would otherwise queue behind them), as runtime.collectives._Held.
+    held: list = field(default_factory=list)
     # Activation memory: a runtime.recompute.SavedBytes counting what autograd saves for backward.
     saved_tracker: Any = None
 

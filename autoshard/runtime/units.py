@@ -89,6 +89,9 @@ class GradLanding:
 
     def land(self) -> None:
         pending, self.pending = self.pending, []
+        for _, _, p in pending:
+            if hasattr(p, "start"):  # held until a collective that never came: start them all first
+                p.start()
         for shards, shapes, p in pending:
             for s, g in zip(shards, unpack_shards(p.wait(), shapes)):
                 g = g.to(s.dtype)
