@@ -470,17 +470,18 @@ class _PointToPoint(torch.autograd.Function):
         rctx, axis, peer, message = fctx.rctx, fctx.axis, fctx.peer, 2 * fctx.message + 1
         if fctx.op == "send":
             shape, dtype, device = fctx.like
-            template = _template(shape, dtype, device)
-            dx = _run(rctx, "recv", template, axis, (peer, message), "send", fctx.tag, "backward")
+            dx = _run(rctx, "recv", template(shape, dtype, device), axis, (peer, message), "send", fctx.tag,
+                      "backward")
         else:
             _run(rctx, "send", grad.detach(), axis, (peer, message), "recv", fctx.tag, "backward")
             dx = grad.new_zeros(0)
         return dx, None, None, None, None, None, None
 
 
-def _template(shape, dtype: torch.dtype, device) -> torch.Tensor:
+def template(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     """What a receive expects (shape, dtype, device), without allocating its memory: the
-    backend allocates the received tensor (or has it already, from ``post_recv``)."""
+    backend allocates the received tensor (or has it already, from ``post_recv``). It is never
+    written, so one may serve every receive of a shape (:func:`recv_value`, :func:`recv_gradient`)."""
     return torch.empty((), dtype=dtype, device=device).expand(tuple(shape))
 
 
@@ -508,7 +509,7 @@ def recv(token: torch.Tensor, axis: str, peer: int, message: int, shape, dtype: 
         h = recv(torch.empty(0, requires_grad=True), "pp", 0, message=mb, shape=(4, 8, 32), dtype=torch.float32)
     """
     current("autoshard recv").mesh.check_axis(axis)
-    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, _template(shape, dtype, token.device))
+    return _PointToPoint.apply(token, "recv", axis, peer, message, tag, template(shape, dtype, token.device))
 
 
 def send_gradient(grad: torch.Tensor, axis: str, peer: int, message: int, tag: int | None = None) -> None:
@@ -560,12 +561,6 @@ def recv_gradient(template: torch.Tensor, axis: str, peer: int, message: int, ta
     """
     return _run(current("autoshard recv_gradient"), "recv", template, axis, (peer, 2 * message + 1), "send", tag,
                 "backward")
-
-
-def template(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """What a receive expects (shape, dtype, device) without its memory, for :func:`recv_value`
-    and :func:`recv_gradient`; it is never written, so one may serve every receive of a shape."""
-    return _template(shape, dtype, device)
 
 
 def post_recv(axis: str, peer: int, message: int, shape, dtype: torch.dtype, device=None) -> None:
