@@ -23,6 +23,8 @@ CONFIGS = {"zero3": dict(zero_stage=3, reshard_after_forward=True),
 
 
 def make_plan(config):
+    if config == "embedded":
+        return embedded_plan()
     model, args, dims = llama_tiny(with_labels=True)
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "tp": 2}), dims=dims,
                                layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, train=True,
@@ -49,21 +51,26 @@ def train_worker(rank, world_size, config):
     return losses, local.full_parameters(), [(r.kind, r.axis, r.phase, r.tag) for r in ctx.trace]
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_training_on_gloo_equals_simulation(config):
-    results = spawn(train_worker, 4, config, timeout=120)
-    plan, args = make_plan(config)
+def assert_equals_simulation(results, plan, args):
+    """Every rank's losses and collectives, and the assembled parameters, equal the simulation's."""
     sim_losses, sim_params = plan.simulate_train([args] * STEPS, optimizer=make_optimizer)
     for rank, (losses, _, trace) in enumerate(results):
         # Sums over 2 ranks are order-free in fp32, so gloo and the simulation agree exactly.
         assert losses == sim_losses
         assert trace == [(r.kind, r.axis, r.phase, r.tag) for r in plan.last_trace[rank]]
-    assert {r.phase for r in plan.last_trace[0]} >= {"forward", "backward"}
     for fqn, full in sim_params.items():
         if fqn in plan.captured.aliases:
             continue
         got = autoshard.ownership.assemble([r[1][fqn] for r in results], plan.placement_of(fqn), plan.mesh)
         torch.testing.assert_close(got, full, rtol=0, atol=0, msg=lambda m: f"{fqn}: {m}")
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_training_on_gloo_equals_simulation(config):
+    results = spawn(train_worker, 4, config, timeout=120)
+    plan, args = make_plan(config)
+    assert_equals_simulation(results, plan, args)
+    assert {r.phase for r in plan.last_trace[0]} >= {"forward", "backward"}
 
 
 def embedded_plan():
@@ -79,30 +86,9 @@ def embedded_plan():
     return plan, args
 
 
-def embedded_worker(rank, world_size):
-    plan, args = embedded_plan()
-    with rank_context(plan.mesh, rank, DistributedBackend(plan.mesh)) as ctx:
-        local = plan.build(rank)
-        opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-        losses = []
-        for _ in range(STEPS):
-            loss = local(*args)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    return losses, local.full_parameters(), [(r.kind, r.axis, r.phase, r.tag) for r in ctx.trace]
-
-
 def test_units_started_after_plain_collectives_on_gloo_equal_simulation():
-    results = spawn(embedded_worker, 2, timeout=120)
+    results = spawn(train_worker, 2, "embedded", timeout=120)
     plan, args = embedded_plan()
     code = plan.program.graph_module.code
     assert "start_gather_unit" in code and "hold = True" in code
-    sim_losses, sim_params = plan.simulate_train([args] * STEPS, optimizer=make_optimizer)
-    for rank, (losses, params, trace) in enumerate(results):
-        assert losses == sim_losses
-        assert trace == [(r.kind, r.axis, r.phase, r.tag) for r in plan.last_trace[rank]]
-    for fqn, full in sim_params.items():
-        got = autoshard.ownership.assemble([r[1][fqn] for r in results], plan.placement_of(fqn), plan.mesh)
-        torch.testing.assert_close(got, full, rtol=0, atol=0, msg=lambda m: f"{fqn}: {m}")
+    assert_equals_simulation(results, plan, args)
