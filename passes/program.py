@@ -22,6 +22,7 @@ from autoshard.runtime.buckets import assign_buckets
 from . import context as cp
 from . import vocab_parallel as vp
 from .early_sums import EARLY, start_sums_early
+from .output_sums import LAZY, defer_output_sums
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
 from .units import group_units
@@ -59,8 +60,9 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
     ``context``); a cross-entropy over logits split by class on one axis is computed there
     (:mod:`autoshard.passes.vocab_parallel`). ``early_sums``: start forward sums without a gradient as soon as their inputs
-    exist (:mod:`autoshard.passes.early_sums`; not for pipeline stages, which the program is
-    cut into by its order). Returns
+    exist (:mod:`autoshard.passes.early_sums`) and return those only outputs read before they
+    arrive (:mod:`autoshard.passes.output_sums`); not for pipeline stages, which the program is
+    cut into by its order. Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
@@ -95,11 +97,12 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     program.collectives += bucket_collectives(program, bucket_axis, params, display,
                                               int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
     early = start_sums_early(program.graph_module.graph) if early_sums else []
-    if early:
+    lazy = defer_output_sums(program.graph_module.graph) if early_sums else []
+    if early or lazy:
         program.graph_module.recompile()
         for c in program.collectives:
-            if c.tag in early and c.phase == "forward":
-                c.why += EARLY
+            if c.phase == "forward":
+                c.why += (EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
     return program, axes
 
 

@@ -56,7 +56,7 @@ def exports(tmp_path_factory):
 # the generated program
 # ------------------------------------------------------------------------------------------------
 
-CALL = re.compile(r"^\s+\w+ = (" + "|".join(ADJOINTS) + r")\((.*)tag = (\d+)\)")
+CALL = re.compile(r"^\s+\w+ = (" + "|".join(ADJOINTS) + r")\((.*?)tag = (\d+)(, \w+ = \w+)*\)")
 
 
 @pytest.mark.parametrize("name", ["tp4", "dp_tp", "zero3"])

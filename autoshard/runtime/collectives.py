@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from . import units
 from .backend import Pending, check_divisible
 from .context import CollectiveRecord, RankContext, activate, current, current_or_none
+from .pending_value import PendingValue
 
 
 class Adjoint(NamedTuple):
@@ -199,13 +200,21 @@ class _Collective(torch.autograd.Function):
     """One autograd Function for every row of ADJOINTS: forward and backward read the table."""
 
     @staticmethod
-    def forward(fctx, x, op, axis, dims, tag):
+    def forward(fctx, x, op, axis, dims, tag, lazy=False):
         rctx = current(f"autoshard collective {op}")
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
+        fctx.pending = None
         phase = _phase(rctx)
         early = rctx.prefetched.pop(("all_reduce", tag), None) if op == "all_reduce" and phase == "forward" else None
-        out = early.wait() if early is not None else _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag,
-                                                          phase)
+        if early is not None:
+            out = early.wait()
+        elif lazy and phase == "forward" and rctx.mesh.axis_size(axis) > 1:
+            if rctx.held:
+                _release_held(rctx, axis)
+            fctx.pending = _call_backend(rctx, "all_reduce_async", "all_reduce", x.detach(), axis, (), op, tag, phase)
+            out = PendingValue.of(fctx.pending, like=x)
+        else:
+            out = _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, phase)
         if tag is not None and tag in rctx.reshard_tags:
             _register_reshard(rctx, out, _ParamSource(x.detach(), axis, dims, tag))
         return out
@@ -213,7 +222,10 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(fctx, grad):
-        return _backward(fctx, grad), None, None, None, None
+        if fctx.pending is not None:
+            # a sum returned pending and never read: finished by the end of backward all the same
+            torch.autograd.Variable._execution_engine.queue_callback(fctx.pending.wait)
+        return _backward(fctx, grad), None, None, None, None, None
 
 
 def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
@@ -272,23 +284,28 @@ def _dim(x: torch.Tensor, dim: int, op: str, name: str = "dim") -> int:
     return dim % x.dim()
 
 
-def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None):
+def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None, lazy: bool = False):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
     current(f"autoshard collective {op}").mesh.check_axis(axis)
-    return _Collective.apply(x, op, axis, dims, tag)
+    return _Collective.apply(x, op, axis, dims, tag, lazy)
 
 
 # ---- the public functions, one per row of ADJOINTS -------------------------------------------
 
-def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None, lazy: bool = False) -> torch.Tensor:
     """Partial -> Replicate: sum over ``axis``; backward is the identity (Megatron's g).
+
+    ``lazy=True`` (forward only): return the sum started but not waited for, as a
+    :class:`~autoshard.runtime.pending_value.PendingValue` that waits when its data is read;
+    for values only the program's outputs read (a loss; placed by ``passes/output_sums.py``).
 
     Example::
 
         y = all_reduce(x_partial, "tp")     # every tp rank now holds the sum
+        loss = all_reduce(loss_partial, "dp", lazy=True)   # loss.item() waits for it
     """
-    return _apply("all_reduce", x, axis, (), tag)
+    return _apply("all_reduce", x, axis, (), tag, lazy)
 
 
 def start_all_reduce(x: torch.Tensor, axis: str, tag: int) -> None:
