@@ -128,7 +128,7 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
     decompose(graph)
-    _rewrite_mean_cross_entropy(graph)
+    _rewrite_reduced_cross_entropy(graph)
     graph.eliminate_dead_code()
     graph.lint()
     return Captured(graph, inputs, state, ep.call_spec.in_spec, ep.call_spec.out_spec, seconds, arg_names, aliases)
@@ -164,14 +164,17 @@ def _unlisted_aliases(params: dict, buffers: dict, inputs: list, state: dict) ->
             if id(t) in kept and kept[id(t)] != name}
 
 
-def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
-    """cross_entropy(mean) -> sum(cross_entropy(none)) / count.
+def _rewrite_reduced_cross_entropy(graph: fx.Graph) -> None:
+    """cross_entropy(mean) -> sum(cross_entropy(none)) / count; cross_entropy(sum) ->
+    sum(cross_entropy(none)).
 
     The count is torch's divisor: the targets ``!= ignore_index`` for class-index targets, and
     every position (``input.numel() / C``, one per row) for probability targets (a float target
     shaped like the input), where ``ignore_index`` does not apply. Equal to torch's mean for
     unweighted losses; written out so a batch split across ranks sums numerator and count
-    globally instead of averaging per-rank means."""
+    globally instead of averaging per-rank means. A sum is written out so the sharding rule sees
+    the per-position losses (a batch split across ranks then sums them; a scalar output would
+    have the logits gathered whole)."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != aten.cross_entropy_loss.default:
             continue
@@ -180,13 +183,21 @@ def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
         reduction = node.kwargs.get("reduction", a[3] if a[3] is not None else 1)
         ignore = node.kwargs.get("ignore_index", a[4] if a[4] is not None else -100)
         smoothing = node.kwargs.get("label_smoothing", a[5] if a[5] is not None else 0.0)
-        if reduction != 1 or weight is not None:
-            continue  # sum/none reductions are already global-safe; weighted means fall back
         val = node.meta["val"]
+        if reduction == 2:  # a sum: the per-position losses' sum, weighted or not
+            with graph.inserting_before(node):
+                per = graph.call_function(aten.cross_entropy_loss.default, (x, target, weight, 0, ignore, smoothing))
+                per.meta = dict(node.meta, val=torch.empty(_position_shape(x), dtype=val.dtype, device=val.device))
+                loss = graph.call_function(aten.sum.default, (per,))
+                loss.meta = dict(node.meta)
+            node.replace_all_uses_with(loss)
+            graph.erase_node(node)
+            continue
+        if reduction != 1 or weight is not None:
+            continue  # "none" is already per position; weighted means fall back
         xval, tval = x.meta["val"], target.meta["val"]
         probs = tval.is_floating_point() and tval.dim() == xval.dim()
-        # the per-position loss: the input's shape without its class dim (dim 1, or 0 if 1-D)
-        pshape = tuple(xval.shape[:1]) + tuple(xval.shape[2:]) if xval.dim() > 1 else ()
+        pshape = _position_shape(x)
         with graph.inserting_before(node):
             per = graph.call_function(aten.cross_entropy_loss.default, (x, target, None, 0, ignore, smoothing))
             per.meta = dict(node.meta, val=torch.empty(pshape, dtype=val.dtype, device=val.device))
@@ -204,3 +215,9 @@ def _rewrite_mean_cross_entropy(graph: fx.Graph) -> None:
             loss.meta = dict(node.meta, val=torch.empty((), dtype=val.dtype, device=val.device))
         node.replace_all_uses_with(loss)
         graph.erase_node(node)
+
+
+def _position_shape(x: fx.Node) -> tuple:
+    """The per-position loss's shape: the input's without its class dim (dim 1, or 0 if 1-D)."""
+    shape = x.meta["val"].shape
+    return tuple(shape[:1]) + tuple(shape[2:]) if len(shape) > 1 else ()

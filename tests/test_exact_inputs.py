@@ -66,6 +66,33 @@ def test_cross_entropy_class_targets_still_exact():
     assert_exact(plan, model, (x, target))
 
 
+
+class SumCE(nn.Module):
+    def __init__(self, weighted, smoothing):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.register_buffer("weight", torch.linspace(0.5, 2.0, 16) if weighted else None)
+        self.smoothing = smoothing
+
+    def forward(self, x, target):
+        return F.cross_entropy(self.proj(x), target, weight=self.weight, reduction="sum",
+                               label_smoothing=self.smoothing)
+
+
+@pytest.mark.parametrize("weighted,smoothing", [(False, 0.0), (True, 0.0), (True, 0.1)])
+def test_a_summed_cross_entropy_sums_over_ranks_without_gathering_the_logits(weighted, smoothing):
+    """reduction="sum" (class weights and smoothing included) is the sum of the per-position
+    losses: a batch split across ranks sums it (one all-reduce of a scalar) instead of gathering
+    the logits to compute it whole on every rank."""
+    torch.manual_seed(3)
+    model = SumCE(weighted, smoothing)
+    x = torch.randn(8, 8)
+    target = torch.tensor([1, -100, 3, 4, 15, 6, 7, 0])
+    plan = autoshard.autoshard(model, (x, target), mesh=Mesh({"dp": 2}),
+                               dims={"x": "batch hidden", "target": "batch"}, layout={"batch": "dp"})
+    assert [(c.kind, c.bytes) for c in plan.collectives if c.phase == "forward"] == [("all_reduce", 4)]
+    assert_exact(plan, model, (x, target))
+
 # ----------------------------------------------------------------- 2. inputs other than the planned ones
 class PerSample(nn.Module):
     """Divides by the batch size read from the input's shape, scales by a Python scalar, and
