@@ -216,3 +216,20 @@ def test_context_and_sequence_parallel_on_hugging_face_decoders(built, name):
                              layout={"heads": "tp", "kv_heads": "tp", "ffn": "tp", "seq": "tp?"})
     assert forward(sp, "reduce_scatter", "tp") and not forward(sp, "all_reduce", "tp")
     assert_exact(sp, kwargs, loss, logits, grads)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "gpt2", "qwen2"])
+def test_vocab_parallel_cross_entropy_on_hugging_face_models(built, name):
+    """The output head split by vocab on tp: Hugging Face's loss (its own shift, upcast and
+    flatten before cross_entropy) runs on the split logits (row maxima gathered, sums of exp
+    and target logits all-reduced) instead of gathering them, and stays exact. No logits are
+    gathered in forward."""
+    model, kwargs, loss, logits, grads = built(name)
+    # not strict: the input embedding, split by vocab too, is gathered for its lookup
+    plan = autoshard.autoshard(model, (), kwargs, mesh=Mesh({"tp": 2}), dims=ARCHS[name].all_dims,
+                               layout={**ARCHS[name].tp_layout, "vocab": "tp"})
+    lowered = [c for c in plan.collectives if c.op == "vocab_parallel_cross_entropy"]
+    assert sorted(c.kind for c in lowered) == ["all_gather", "all_reduce"], [c.why for c in plan.collectives]
+    others = [c for c in forward(plan, "all_gather") if c.op != "vocab_parallel_cross_entropy"]
+    assert all("embed" in c.where or "wte" in c.where for c in others), [(c.where, c.why) for c in others]
+    assert_exact(plan, kwargs, loss, logits, grads)
