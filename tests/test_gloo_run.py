@@ -173,4 +173,6 @@ def test_a_failing_rank_is_reported_not_hung():
     # "Connection closed by peer") or were killed while blocked there may follow.
     with pytest.raises(SpawnError, match=r"(?s)^rank 2 failed:.*RuntimeError: rank 2 fails on purpose"):
         spawn(_worker, 4, TP4, False, 2, timeout=SPAWN_TIMEOUT)
-    assert time.monotonic() - start < SPAWN_TIMEOUT / 2
+    # a hung job is killed at SPAWN_TIMEOUT; a reported one ends well before it (starting four
+    # processes on two loaded cores has taken over half of it)
+    assert time.monotonic() - start < SPAWN_TIMEOUT * 0.75
