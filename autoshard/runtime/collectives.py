@@ -473,25 +473,24 @@ class _PointToPoint(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, op, axis, peer, message, tag, template):
-        rctx = current(f"autoshard {op}")
-        fctx.rctx, fctx.op, fctx.axis, fctx.peer, fctx.message, fctx.tag = rctx, op, axis, peer, message, tag
+        fctx.rctx = current(f"autoshard {op}")
+        fctx.op, fctx.axis, fctx.peer, fctx.message, fctx.tag = op, axis, peer, message, tag
         if op == "send":
             fctx.like = (x.shape, x.dtype, x.device)
-            _run(rctx, "send", x.detach(), axis, (peer, 2 * message), op, tag, _phase(rctx))
+            send_value(x, axis, peer, message, tag)
             return x.new_empty(0)  # a token: backward of it receives x's gradient
-        return _run(rctx, "recv", template, axis, (peer, 2 * message), op, tag, _phase(rctx))
+        return recv_value(template, axis, peer, message, tag)
 
     @staticmethod
     @once_differentiable
     def backward(fctx, grad):
-        rctx, axis, peer, message = fctx.rctx, fctx.axis, fctx.peer, 2 * fctx.message + 1
-        if fctx.op == "send":
-            shape, dtype, device = fctx.like
-            dx = _run(rctx, "recv", template(shape, dtype, device), axis, (peer, message), "send", fctx.tag,
-                      "backward")
-        else:
-            _run(rctx, "send", grad.detach(), axis, (peer, message), "recv", fctx.tag, "backward")
-            dx = grad.new_zeros(0)
+        # the forward's context: autograd may run backward on a thread without one (GPU)
+        with activate(fctx.rctx):
+            if fctx.op == "send":
+                dx = recv_gradient(template(*fctx.like), fctx.axis, fctx.peer, fctx.message, fctx.tag)
+            else:
+                send_gradient(grad, fctx.axis, fctx.peer, fctx.message, fctx.tag)
+                dx = grad.new_zeros(0)
         return dx, None, None, None, None, None, None
 
 
