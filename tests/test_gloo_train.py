@@ -1,6 +1,7 @@
 """Training the Llama-style decoder on 4 real gloo processes (dp=2 x tp=2) equals the simulated
 mesh: per-step losses, the trained parameters, and the collectives each rank ran. ZeRO-3 with
 resharding, and DDP with small gradient buckets (asynchronous all-reduces on gloo)."""
+import math
 import sys
 from pathlib import Path
 
@@ -92,3 +93,54 @@ def test_units_started_after_plain_collectives_on_gloo_equal_simulation():
     code = plan.program.graph_module.code
     assert "start_gather_unit" in code and "hold = True" in code
     assert_equals_simulation(results, plan, args)
+
+
+def spares_worker(rank, world_size):
+    """Buffer reuse on gloo: what ``recycle`` keeps and what ``buffer`` hands out again, and
+    ZeRO-3 training drawing its unit buffers from the spares after the first step."""
+    plan, args = embedded_plan()
+    backend = DistributedBackend(plan.mesh)
+    a = backend.buffer((4, 6), torch.float32)
+    backend.recycle(a)
+    backend.recycle(a)  # given back twice: kept once
+    b, c = backend.buffer((24,), torch.float32), backend.buffer((24,), torch.float32)
+    whole = b.data_ptr() == a.data_ptr() and c.data_ptr() != a.data_ptr()
+    backend.recycle(torch.zeros(48)[:24])  # a view of something larger is not kept
+    view_kept = bool(backend._spares.get((24, torch.float32)))
+    reused = []
+    take = backend.buffer
+
+    def counting(shape, dtype, device=None):
+        spare = {t.data_ptr() for t in backend._spares.get((math.prod(shape), dtype), ())}
+        t = take(shape, dtype, device)
+        reused.append(t.data_ptr() in spare)
+        return t
+    backend.buffer = counting
+    with rank_context(plan.mesh, rank, backend):
+        local = plan.build(rank)
+        opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+        per_step = []
+        for _ in range(STEPS):
+            reused.clear()
+            local(*args).backward()
+            # no gradient is a view of a buffer the backend may hand out again
+            spare = {t.data_ptr() for free in backend._spares.values() for t in free}
+            aliased = [n for n, p in local.named_parameters()
+                       if p.grad is not None and p.grad.untyped_storage().data_ptr() in spare]
+            opt.step()
+            opt.zero_grad()
+            per_step.append((len(reused), sum(reused), aliased))
+    return whole, view_kept, per_step
+
+
+def test_gloo_backend_reuses_unit_buffers():
+    """After the first step, every unit buffer comes from the spares, except the gathered
+    buffers of one-parameter units, which become that parameter (forward and backward)."""
+    plan, _ = embedded_plan()
+    singles = sum(len(members) == 1 for _, _, members in plan.program.units)
+    for whole, view_kept, per_step in spawn(spares_worker, 2, timeout=120):
+        assert whole and not view_kept
+        (first, _, aliased), *later = per_step
+        assert first > 0 and not aliased
+        for n, reused, aliased in later:
+            assert n == first and n - reused <= 2 * singles and not aliased

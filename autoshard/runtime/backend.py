@@ -99,13 +99,25 @@ class Backend:
         the result may be written into (no copy)."""
         return Pending(result=self.all_reduce(x, axis))
 
-    def all_gather_async(self, x: torch.Tensor, axis: str, dim: int) -> "Pending":
-        """Start an all-gather (ZeRO-3 prefetch); ``.wait()`` returns the result."""
+    def all_gather_async(self, x: torch.Tensor, axis: str, dim: int, consume: bool = False) -> "Pending":
+        """Start an all-gather (ZeRO-3 prefetch); ``.wait()`` returns the result.
+        ``consume=True``: ``x`` is a private buffer the backend may reuse once it has been sent
+        (see :meth:`recycle`)."""
         return Pending(result=self.all_gather(x, axis, dim))
 
-    def reduce_scatter_async(self, x: torch.Tensor, axis: str, dim: int) -> "Pending":
-        """Start a sum reduce-scatter (ZeRO gradient sync under backward)."""
+    def reduce_scatter_async(self, x: torch.Tensor, axis: str, dim: int, consume: bool = False) -> "Pending":
+        """Start a sum reduce-scatter (ZeRO gradient sync under backward); ``consume`` as for
+        :meth:`all_gather_async`."""
         return Pending(result=self.reduce_scatter(x, axis, dim))
+
+    def buffer(self, shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """An uninitialized tensor for a collective's input: one given back with
+        :meth:`recycle`, if the backend keeps them, else a new one."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def recycle(self, t: torch.Tensor) -> None:
+        """``t`` (a :meth:`buffer`, or a collective's result) is read by no one any more: the
+        backend may hand its memory out again. Default: left to the allocator."""
 
     @staticmethod
     def _ctx():
@@ -119,6 +131,10 @@ class Pending:
 
     def __init__(self, result: torch.Tensor, work=None, finish=None):
         self.result, self.work, self.finish = result, work, finish
+
+    def ready(self) -> bool:
+        """Whether the transfer is done (``wait`` then only runs ``finish``)."""
+        return self.work is None or self.work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:

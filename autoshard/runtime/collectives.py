@@ -126,8 +126,8 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
 
 
 def _call_backend(ctx: RankContext, method: str, primitive: str, x: torch.Tensor, axis: str, dims: tuple,
-                  op: str, tag: int | None, phase: str):
-    """Run ``ctx.backend.<method>(x, axis, *dims)`` as ``ctx`` and record ``primitive``."""
+                  op: str, tag: int | None, phase: str, **options):
+    """Run ``ctx.backend.<method>(x, axis, *dims, **options)`` as ``ctx`` and record ``primitive``."""
     backend_fn = getattr(ctx.backend, method)
     # The context captured at forward time is made current for the backend: on GPU, autograd
     # runs backward on its own device threads, where the thread-local context is absent.
@@ -135,10 +135,10 @@ def _call_backend(ctx: RankContext, method: str, primitive: str, x: torch.Tensor
     ctx.call = (op, tag, phase)
     try:
         if current_or_none() is ctx:
-            out = backend_fn(x, axis, *dims)
+            out = backend_fn(x, axis, *dims, **options)
         else:
             with activate(ctx):
-                out = backend_fn(x, axis, *dims)
+                out = backend_fn(x, axis, *dims, **options)
     finally:
         ctx.call = saved_call
     ctx.trace.append(CollectiveRecord(
@@ -151,12 +151,37 @@ def _start(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, op: str
            phase: str):
     """Issue a dim-0 all-gather / reduce-scatter of a flat buffer without waiting (a backend
     that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it at the
-    same point of the program, so the order of collectives stays the same on all ranks."""
+    same point of the program, so the order of collectives stays the same on all ranks. ``x``
+    is the caller's private buffer (a packed unit): the backend may reuse it once sent."""
     if ctx.held:
         _release_held(ctx, axis)
+    if ctx.landing is not None and ctx.landing.pending:
+        ctx.landing.settle()  # before this one allocates its buffers
     if ctx.mesh.axis_size(axis) == 1:
         return Pending(_run(ctx, primitive, x, axis, (0,), op, tag, phase))  # a group of one: done
-    return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase)
+    return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase, consume=True)
+
+
+def _buffers(ctx: RankContext, axis: str):
+    """The backend's buffer allocator for a flat unit buffer on ``axis`` (None: a group of one,
+    which never calls the backend)."""
+    return ctx.backend.buffer if ctx.mesh.axis_size(axis) > 1 else None
+
+
+def _start_unit_gather(ctx: RankContext, shards, axis: str, tag: int, phase: str):
+    """Start the flat all-gather of a unit's shards, packed into a backend buffer."""
+    return _start(ctx, "all_gather", units.pack_shards(shards, _buffers(ctx, axis)), axis, "gather_unit", tag, phase)
+
+
+def _unpack_unit(ctx: RankContext, flat: torch.Tensor, shapes, dims, axis: str) -> list:
+    """The whole parameters from a unit's gathered buffer, which is then given back to the
+    backend unless one of them is a view of it (a unit of one parameter)."""
+    n = ctx.mesh.axis_size(axis)
+    fulls = units.unpack_full(flat, shapes, dims, n)
+    ptr = flat.untyped_storage().data_ptr()
+    if n > 1 and all(f.untyped_storage().data_ptr() != ptr for f in fulls):
+        ctx.backend.recycle(flat)
+    return fulls
 
 
 class _Held:
@@ -632,11 +657,10 @@ class _UnitSource:
     def regather(self, rctx, pending=None) -> list:
         flat = pending.wait() if pending is not None else _run(
             rctx, "all_gather", units.pack_shards(self.shards), self.axis, (0,), "gather_unit", self.tag, "backward")
-        return units.unpack_full(flat, self.shapes, self.dims, rctx.mesh.axis_size(self.axis))
+        return _unpack_unit(rctx, flat, self.shapes, self.dims, self.axis)
 
     def start(self, rctx):
-        return _start(rctx, "all_gather", units.pack_shards(self.shards), self.axis, "gather_unit", self.tag,
-                      "backward")
+        return _start_unit_gather(rctx, self.shards, self.axis, self.tag, "backward")
 
 
 def _register_reshard(rctx: RankContext, full: torch.Tensor, source, index: int = 0) -> None:
@@ -736,9 +760,8 @@ class _GatherUnit(torch.autograd.Function):
         if prefetch is not None and phase == "forward":
             next_shards, _, next_tag = prefetch
             if next_tag not in rctx.prefetched:
-                rctx.prefetched[next_tag] = _start(rctx, "all_gather", units.pack_shards(next_shards), axis,
-                                                   "gather_unit", next_tag, phase)
-        fulls = units.unpack_full(flat, shapes, dims, n)
+                rctx.prefetched[next_tag] = _start_unit_gather(rctx, next_shards, axis, next_tag, phase)
+        fulls = _unpack_unit(rctx, flat, shapes, dims, axis)
         if tag is not None and tag in rctx.reshard_tags:
             source = _UnitSource(shards, axis, dims, tag)
             for i, full in enumerate(fulls):
@@ -756,7 +779,7 @@ class _GatherUnit(torch.autograd.Function):
         leaves = fctx.leaves
         grads = [g.detach() if g is not None else torch.zeros(shape, dtype=dt)
                  for g, shape, dt in zip(grads, fctx.full_shapes, fctx.dtypes)]
-        flat = units.pack_grads(grads, fctx.dims, n, dtype=reduce_dtype_for(rctx, grads[0]))
+        flat = units.pack_grads(grads, fctx.dims, n, dtype=reduce_dtype_for(rctx, grads[0]), empty=_buffers(rctx, axis))
         none = (None,) * 5
         key = ("gather_unit", fctx.tag, axis)
         if axis in rctx.defer_axes:
@@ -795,8 +818,7 @@ def start_gather_unit(shards, axis: str, tag: int) -> None:
     rctx.mesh.check_axis(axis)
     if _phase(rctx) != "forward" or tag in rctx.prefetched:
         return
-    rctx.prefetched[tag] = _start(rctx, "all_gather", units.pack_shards(tuple(shards)), axis, "gather_unit", tag,
-                                  "forward")
+    rctx.prefetched[tag] = _start_unit_gather(rctx, tuple(shards), axis, tag, "forward")
 
 
 def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None, hold: bool = False) -> tuple:

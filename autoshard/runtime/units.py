@@ -21,9 +21,17 @@ import math
 import torch
 
 
-def pack_shards(shards) -> torch.Tensor:
-    """This rank's blocks, flattened and concatenated: the all-gather input."""
-    return torch.cat([s.detach().reshape(-1) for s in shards])
+def _empty(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def pack_shards(shards, empty=None) -> torch.Tensor:
+    """This rank's blocks, flattened and concatenated: the all-gather input, in a tensor from
+    ``empty(shape, dtype, device)`` if given (a backend's :meth:`buffer`)."""
+    flat = [s.detach().reshape(-1) for s in shards]
+    if empty is None:
+        return torch.cat(flat)
+    return torch.cat(flat, out=empty((sum(f.numel() for f in flat),), flat[0].dtype, flat[0].device))
 
 
 def full_shape(shard_shape, dim: int, n: int) -> tuple:
@@ -45,12 +53,13 @@ def unpack_full(flat: torch.Tensor, shard_shapes, dims, n: int) -> list:
     return out
 
 
-def pack_grads(grads, dims, n: int, dtype=None) -> torch.Tensor:
+def pack_grads(grads, dims, n: int, dtype=None, empty=None) -> torch.Tensor:
     """The reduce-scatter input ``[n * S]``: row ``r`` is block ``r`` of every gradient, in
-    ``dtype`` (default: the gradients'). Each gradient is copied once, straight into its
-    columns (a cast, if any, happens in the same copy)."""
+    ``dtype`` (default: the gradients'), in a tensor from ``empty`` as for :func:`pack_shards`.
+    Each gradient is copied once, straight into its columns (a cast, if any, happens in the
+    same copy)."""
     sizes = [g.numel() // n for g in grads]
-    flat = torch.empty((n, sum(sizes)), dtype=dtype or grads[0].dtype, device=grads[0].device)
+    flat = (empty or _empty)((n, sum(sizes)), dtype or grads[0].dtype, grads[0].device)
     off = 0
     for g, d, k in zip(grads, dims, sizes):
         block = g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0)  # [n, ...block] (a view)
@@ -86,6 +95,15 @@ class GradLanding:
         if not self.pending:
             torch.autograd.Variable._execution_engine.queue_callback(self.land)
         self.pending.append((shards, shard_shapes, pending))
+
+    def settle(self) -> None:
+        """Finish the reduce-scatters whose transfer is done (run their ``finish``): their
+        receive buffers, as large as the unit's whole gradients, are freed now rather than when
+        backward ends. Same values: the sum is the same, only earlier."""
+        for _, _, p in self.pending:
+            p = getattr(p, "pending", p)  # a held reduce-scatter: its transfer, once started
+            if p is not None and p.ready():
+                p.wait()
 
     def land(self) -> None:
         pending, self.pending = self.pending, []
