@@ -28,7 +28,8 @@ tp/dtensor     ``Transformer.parallelize`` (Colwise /      ``layout={"heads": "t
 =============  ==========================================  ========================================
 
 The two runtimes of a pair are timed alternately in the same processes (``--rounds`` rounds of
-``--steps`` steps each, after warm-up), so background load hits both alike; a round's time is
+``--steps`` steps each, more where steps are short so a round lasts ``--min-round`` seconds,
+after warm-up), so background load hits both alike; a round's time is
 rank 0's wall time between two barriers. The ratio is autoshard's median round time over the
 peer's: below 1 means autoshard is faster.
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import subprocess
@@ -181,10 +183,17 @@ def timed(step, steps):
     return (time.perf_counter() - t0) / steps
 
 
-def compare(a, b, rounds, steps, warmup):
+def compare(a, b, rounds, steps, warmup, min_round_s=0.0):
     for _ in range(warmup):
         a()
         b()
+    # Short steps (50 ms) make short rounds whose medians move by 10% or more: take enough
+    # steps per round that a round lasts ``min_round_s``, measured on the slower runtime; every
+    # rank must run the same number of steps, so rank 0's count is the one used.
+    slowest = max(timed(a, 1), timed(b, 1))
+    want = torch.tensor([max(steps, math.ceil(min_round_s / slowest))])
+    dist.broadcast(want, 0)
+    steps = int(want)
     ta, tb = [], []
     for r in range(rounds):
         # alternate which runs first, so neither always follows the other
@@ -194,7 +203,7 @@ def compare(a, b, rounds, steps, warmup):
         else:
             tb.append(timed(b, steps))
             ta.append(timed(a, steps))
-    return statistics.median(ta), statistics.median(tb)
+    return statistics.median(ta), statistics.median(tb), steps
 
 
 def worker(opts):
@@ -213,11 +222,11 @@ def worker(opts):
             if opts.pairs and pair not in opts.pairs:
                 continue
             a, b = runtimes_for(pair, model, tokens, labels, rank, world, meshes)
-            ta, tb = compare(a, b, opts.rounds, opts.steps, opts.warmup)
+            ta, tb, steps = compare(a, b, opts.rounds, opts.steps, opts.warmup, opts.min_round)
             rows.append((key, (layers, dim, seq, gb), pair, ta, tb))
             if rank == 0:
                 print(f"[{world} procs] {key} {pair}: autoshard {ta * 1e3:.1f} ms, peer {tb * 1e3:.1f} ms, "
-                      f"ratio {ta / tb:.2f}", flush=True)
+                      f"ratio {ta / tb:.2f} ({opts.rounds} rounds of {steps} steps)", flush=True)
             del a, b
     if rank == 0:
         print_table(rows, world)
@@ -243,7 +252,9 @@ def main():
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--pairs", nargs="+", default=None, help="only these pairs (e.g. zero3/fsdp2)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=2, help="steps per timed round")
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed round (at least)")
+    ap.add_argument("--min-round", type=float, default=0.5,
+                    help="seconds a round lasts at least: more steps per round for short steps")
     ap.add_argument("--warmup", type=int, default=2)
     opts = ap.parse_args()
     if "RANK" in os.environ:
