@@ -3,6 +3,7 @@
 - :mod:`.collectives` — ``all_reduce``, ``mark_varying``, ``reduce_scatter``, ``all_gather``,
   ``all_gather_varying``, ``shard_slice``, ``all_to_all``, ``to_partial``; the ``ADJOINTS`` table.
 - :mod:`.context` — ``rank_context`` / ``current``: which rank and backend a thread runs as.
+- :mod:`.pending_value` — ``PendingValue``: a forward sum returned before it arrives (a loss).
 - :mod:`.simulated` — ``SimulatedBackend`` and ``run_simulated``: ranks as threads, exact.
 - :mod:`.distributed` — ``DistributedBackend``: torch.distributed groups from a DeviceMesh.
 - :mod:`.launch` — ``spawn``: N gloo processes for tests.
