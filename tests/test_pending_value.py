@@ -70,6 +70,9 @@ def test_reading_the_value_waits_for_the_sum():
     assert float(loss.detach()) == 7.0
     assert f"{loss:.2f}" == "7.00" and "7." in repr(loss) and loss.detach().tolist() == 7.0
     assert (loss * 2).item() == 14.0
+    # ops that return something other than a tensor read the data (equal is tagged pointwise)
+    assert torch.equal(lazy_mean(TwoEqualRanks(), w.detach()), torch.tensor(7.0))
+    assert torch.allclose(lazy_mean(TwoEqualRanks(), w.detach()), torch.tensor(7.0))
     loss.backward()
     torch.testing.assert_close(w.grad, 2 * w.detach() / 4, rtol=0, atol=0)
 

@@ -103,9 +103,10 @@ class PendingValue(torch.Tensor):
 
 
 def replayable(func) -> bool:
-    """Pointwise ops and views (no writes): cheap to replay once the value arrives."""
+    """Pointwise ops and views (no writes) returning one tensor: cheap to replay once the value
+    arrives. (``equal`` is tagged pointwise but returns a bool: it reads the data.)"""
     schema = func._schema
-    if schema.is_mutable or len(schema.returns) != 1:
+    if schema.is_mutable or len(schema.returns) != 1 or not isinstance(schema.returns[0].type, torch.TensorType):
         return False
     return torch.Tag.pointwise in func.tags or schema.returns[0].alias_info is not None
 
