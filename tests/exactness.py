@@ -47,3 +47,16 @@ def reference_train(model, steps, make_opt, microbatches=1):
         opt.zero_grad()
         losses.append(total)
     return losses, {n: p.detach() for n, p in m.named_parameters()}
+
+
+def train_steps(local, opt, batches) -> list:
+    """A rank's training steps (forward, backward, optimizer step, zero_grad) over ``batches``
+    (argument tuples); the loss of each step, read after it."""
+    losses = []
+    for args in batches:
+        loss = local(*args)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
@@ -16,6 +17,7 @@ from autoshard.ownership import assemble, local_piece  # noqa: E402
 from autoshard.runtime import run_simulated  # noqa: E402
 from autoshard.runtime.checkpoint import CheckpointError  # noqa: E402
 from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from exactness import train_steps  # noqa: E402
 
 LR = 1e-2
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"})
@@ -44,35 +46,24 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def train(plan, local, opt, data):
-    losses = []
-    for b in data:
-        loss = local(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def straight_and_resumed(plan, path, steps=4, cut=2):
     data = batches(plan.example_inputs[0], steps)
 
     def rank_fn(rank):
         local = plan.build(rank)
         opt = plan.optimizer(local, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-        straight = train(plan, local, opt, data)
+        straight = train_steps(local, opt, data)
         full_straight = local.full_parameters()
         local = plan.build(rank)
         opt = plan.optimizer(local, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-        first = train(plan, local, opt, data[:cut])
+        first = train_steps(local, opt, data[:cut])
         plan.save_checkpoint(local, opt, path, step=cut, extra={"data_position": cut})
         del local, opt
         local = plan.build(rank)  # fresh weights: everything must come from the checkpoint
         opt = plan.optimizer(local, torch.optim.AdamW, lr=LR, weight_decay=0.1)
         info = plan.load_checkpoint(local, opt, path)
         assert info["step"] == cut and info["extra"] == {"data_position": cut}
-        second = train(plan, local, opt, data[info["extra"]["data_position"]:])
+        second = train_steps(local, opt, data[info["extra"]["data_position"]:])
         return straight, full_straight, first + second, local.full_parameters()
 
     return run_simulated(plan.mesh, rank_fn)
@@ -131,7 +122,7 @@ def test_reshard_dp_tp_zero3_to_tp4_dp4_zero1_and_one_device(tmp_path):
     def save_fn(rank):
         local = src.build(rank)
         opt = src.optimizer(local, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-        train(src, local, opt, data)
+        train_steps(local, opt, data)
         src.save_checkpoint(local, opt, path, step=2)
         return _rank_state(src, local, opt)
 
@@ -192,7 +183,7 @@ def test_resume_on_another_plan_continues_like_one_device(tmp_path):
     def save_fn(rank):
         local = src.build(rank)
         opt = src.optimizer(local, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-        train(src, local, opt, data[:2])
+        train_steps(local, opt, data[:2])
         src.save_checkpoint(local, opt, path, step=2)
 
     run_simulated(src.mesh, save_fn)
@@ -202,18 +193,12 @@ def test_resume_on_another_plan_continues_like_one_device(tmp_path):
         local = dst.build(rank)
         opt = dst.optimizer(local, torch.optim.AdamW, lr=LR, weight_decay=0.1)
         dst.load_checkpoint(local, opt, path)
-        return train(dst, local, opt, data[2:]), local.full_parameters()
+        return train_steps(local, opt, data[2:]), local.full_parameters()
 
     results = run_simulated(dst.mesh, resume_fn)
     model, _, _ = llama_tiny(with_labels=True)
     opt = adamw(model.parameters())
-    eager = []
-    for b in data:
-        loss = model(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        eager.append(loss.item())
+    eager = train_steps(model, opt, data)  # the unsharded model, the same steps
     assert results[0][0] == pytest.approx(eager[2:], rel=1e-5)
     for fqn, p in model.named_parameters():
         got = assemble([r[1][fqn] for r in results], dst.placement_of(fqn), dst.mesh)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
@@ -14,6 +15,7 @@ from autoshard.ownership import assemble  # noqa: E402
 from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
 from autoshard.runtime.launch import spawn  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
+from exactness import train_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LR = 1e-2
@@ -36,31 +38,20 @@ def data(n=4):
     return [(i, None, i.clone()) for i in ids]
 
 
-def train(local, opt, batches):
-    out = []
-    for b in batches:
-        loss = local(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
-
-
 def worker(rank, world_size, config, path):
     plan, batches = dp_tp(config), data()
     fresh = lambda p: (lambda l: (l, p.optimizer(l, torch.optim.AdamW, lr=LR, weight_decay=0.1)))(p.build(rank))  # noqa: E731
     out = {}
     with rank_context(plan.mesh, rank, DistributedBackend(plan.mesh)):
         local, opt = fresh(plan)
-        out["straight"] = train(local, opt, batches), local.full_parameters()
+        out["straight"] = train_steps(local, opt, batches), local.full_parameters()
         local, opt = fresh(plan)
-        first = train(local, opt, batches[:2])
+        first = train_steps(local, opt, batches[:2])
         out["saved"] = local.full_parameters()
         plan.save_checkpoint(local, opt, path, step=2)
         local, opt = fresh(plan)
         step = plan.load_checkpoint(local, opt, path)["step"]
-        out["resumed"] = first + train(local, opt, batches[step:]), local.full_parameters()
+        out["resumed"] = first + train_steps(local, opt, batches[step:]), local.full_parameters()
     if config == "zero3":
         tp4 = make_plan({"tp": 4}, {"heads": "tp", "ffn": "tp"})
         with rank_context(tp4.mesh, rank, DistributedBackend(tp4.mesh)):

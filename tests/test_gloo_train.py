@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
 from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
 from autoshard.runtime.launch import spawn  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
+from exactness import train_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -42,13 +44,7 @@ def train_worker(rank, world_size, config):
     with rank_context(plan.mesh, rank, DistributedBackend(plan.mesh)) as ctx:
         local = plan.build(rank)
         opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-        losses = []
-        for _ in range(STEPS):
-            loss = local(*args)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(local, opt, [args] * STEPS)
     return losses, local.full_parameters(), [(r.kind, r.axis, r.phase, r.tag) for r in ctx.trace]
 
 

@@ -16,7 +16,7 @@ from autoshard.runtime.units import pack_grads, pack_shards, unpack_full, unpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
-from exactness import reference_train  # noqa: E402
+from exactness import reference_train, train_steps  # noqa: E402
 
 
 class NoCalls(Backend):
@@ -38,13 +38,7 @@ def test_mesh_of_one_calls_no_backend_and_trains_exactly(stage):
     with rank_context(plan.mesh, 0, NoCalls()) as ctx:
         local = plan.build(0)
         opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
-        losses = []
-        for _ in range(3):
-            loss = local(*args)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(local, opt, [args] * 3)
         assert ctx.trace  # still recorded, as on any mesh
     params = {local.fqn_of[n]: p.detach() for n, p in local.named_parameters()}
     ref_losses, ref_params = reference_train(model, [args] * 3, make_opt)

@@ -19,7 +19,7 @@ from autoshard.cost.model import Comm, program_events, resolve_cost_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact  # noqa: E402
+from exactness import assert_exact, train_steps  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 VOCAB, DIM = 32, 12
@@ -114,13 +114,7 @@ def train_worker(rank, world_size):
     with rank_context(plan.mesh, rank, DistributedBackend(plan.mesh)) as ctx:
         local = plan.build(rank)
         opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
-        losses = []
-        for _ in range(3):
-            loss = local(*args)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train_steps(local, opt, [args] * 3)
     return losses, [(r.kind, r.axis, r.phase, r.tag) for r in ctx.trace]
 
 
