@@ -44,6 +44,7 @@ import torch
 
 from autoshard.ownership import held_fraction, slice_dim_for
 from autoshard.passes.early_sums import EARLY_COPY
+from autoshard.passes.overlap_linear import unfused
 from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.buckets import assign_buckets
 from autoshard.runtime.collectives import backward_collective, start_gather_unit
@@ -341,7 +342,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
     ``param_names``: placeholder names of trainable parameters (their gradient syncs may
     overlap backward compute); ``vals``: placeholder name -> whole (global) meta tensor, for
     the bucket assignment."""
-    graph = program.graph_module.graph
+    graph = unfused(program.graph_module.graph)  # priced as the unfused program (no overlap modelled)
     rg = requires_grad_nodes(graph, param_names)
     by_tag: dict = {}
     for c in program.collectives:

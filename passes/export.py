@@ -49,10 +49,12 @@ from autoshard.mesh import Mesh
 from autoshard.ownership import describe, local_shape, slice_dim_for
 from autoshard.runtime import collectives as C
 from autoshard.runtime import run_simulated
+from autoshard.runtime.overlap_linear import varying_linears
 
 from . import export_runner
 
 from .dims import module_of, source_line
+from .overlap_linear import SUM
 
 FORMAT = "autoshard-export"
 VERSION = 1
@@ -122,9 +124,9 @@ class _ProgramCodeGen(fx.graph.CodeGen):
         return "\n".join(lines)
 
 
-def _collective_comment(node: fx.Node, width: int = 96) -> list:
-    info = node.meta.get("autoshard", {})
-    op = node.target.__name__
+def _collective_comment(node: fx.Node, width: int = 96, op: Optional[str] = None, info: Optional[dict] = None) -> list:
+    info = node.meta.get("autoshard", {}) if info is None else info
+    op = op or node.target.__name__
     axis = next((a for a in node.args if isinstance(a, str)), "?")
     fwd, bwd = C.ADJOINTS[op] if op in C.ADJOINTS else ("?", "?")
     where = info.get("where") or "<root>"
@@ -178,6 +180,7 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap_device)
     # collectives (commented) and the runtime helpers programs call, imported by their names
     collective_fns = {fn: fn.__name__ for fn in [*C.COLLECTIVES.values(), *C.PROGRAM_HELPERS]}
+    names = {**collective_fns, varying_linears: varying_linears.__name__}  # the latter imported from its module
     by_name = {m["name"]: m for m in inputs_meta}
     place_by_name = {m["name"]: ownership.parse(m["placement"]) for m in inputs_meta if m.get("placement")}
     comments = []
@@ -186,7 +189,7 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
             m = by_name.get(node.name)
             comments.append(_arg_comment(m, place_by_name.get(node.name), mesh) if m
                             else (arg_notes or {}).get(node.name, ""))
-    graph.set_codegen(_ProgramCodeGen(comments, collective_fns))
+    graph.set_codegen(_ProgramCodeGen(comments, names))
     code = graph.python_code("self")
     nodes = list(graph.nodes)
     lines = code.src.split("\n")
@@ -202,6 +205,9 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
             seen.add(node)
             if node.target in collective_fns and node.target.__name__ in C.COLLECTIVES:
                 body.extend(indent + c for c in _collective_comment(node))
+            elif node.target is varying_linears:  # the mark_varying it absorbed, with its reason
+                info = node.meta[SUM]["autoshard"]
+                body.extend(indent + c for c in _collective_comment(node, op="mark_varying", info=info))
             else:
                 mod = module_of(node)
                 if mod != last_module:

@@ -23,6 +23,7 @@ from . import context as cp
 from . import vocab_parallel as vp
 from .early_sums import EARLY, start_sums_early
 from .output_sums import LAZY, defer_output_sums
+from .overlap_linear import OVERLAP, overlap_linear_sums
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
 from .units import group_units
@@ -60,9 +61,10 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
     ``context``); a cross-entropy over logits split by class on one axis is computed there
     (:mod:`autoshard.passes.vocab_parallel`). ``early_sums``: start forward sums without a gradient as soon as their inputs
-    exist (:mod:`autoshard.passes.early_sums`) and return those only outputs read before they
-    arrive (:mod:`autoshard.passes.output_sums`); not for pipeline stages, which the program is
-    cut into by its order. Returns
+    exist (:mod:`autoshard.passes.early_sums`), return those only outputs read before they
+    arrive (:mod:`autoshard.passes.output_sums`) and run the input-gradient sums of
+    column-parallel linears under their weight gradients (:mod:`autoshard.passes.overlap_linear`);
+    not for pipeline stages, which the program is cut into by its order. Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
@@ -98,11 +100,14 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
                                               int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
     early = start_sums_early(program.graph_module.graph) if early_sums else []
     lazy = defer_output_sums(program.graph_module.graph) if early_sums else []
-    if early or lazy:
+    overlapped = overlap_linear_sums(program.graph_module.graph) if early_sums else []
+    if early or lazy or overlapped:
         program.graph_module.recompile()
         for c in program.collectives:
             if c.phase == "forward":
                 c.why += (EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
+            elif c.phase == "backward" and c.tag in overlapped and c.op == "mark_varying":
+                c.why += OVERLAP
     return program, axes
 
 

@@ -3,6 +3,8 @@
 - :mod:`.collectives` — ``all_reduce``, ``mark_varying``, ``reduce_scatter``, ``all_gather``,
   ``all_gather_varying``, ``shard_slice``, ``all_to_all``, ``to_partial``; the ``ADJOINTS`` table.
 - :mod:`.context` — ``rank_context`` / ``current``: which rank and backend a thread runs as.
+- :mod:`.overlap_linear` — ``varying_linears``: ``mark_varying`` and the column-parallel linears
+  reading it, with the gradient sum run under the weight gradients.
 - :mod:`.pending_value` — ``PendingValue``: a forward sum returned before it arrives (a loss).
 - :mod:`.simulated` — ``SimulatedBackend`` and ``run_simulated``: ranks as threads, exact.
 - :mod:`.distributed` — ``DistributedBackend``: torch.distributed groups from a DeviceMesh.

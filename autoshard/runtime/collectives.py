@@ -282,6 +282,36 @@ def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
     return _run(rctx, primitive, grad, fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag, "backward")
 
 
+def start_gradient_sum(fctx, grad: torch.Tensor):
+    """:func:`_backward` of an op whose adjoint is an all-reduce (``fctx.op``, e.g.
+    ``"mark_varying"``), started without waiting where the backend can; returns a function
+    that waits and gives the result. Gradient accumulation and mixed precision as in
+    ``_backward``, the same record in the trace. ``grad`` is the caller's own buffer: the sum
+    may be written into it.
+
+    Example::
+
+        wait = start_gradient_sum(fctx, dx)   # fctx: rctx, op, axis, dims, tag
+        ...                                   # compute that needs no communication
+        dx = wait()
+    """
+    rctx, axis = fctx.rctx, fctx.axis
+    assert ADJOINTS[fctx.op].backward == "all_reduce", fctx.op
+    grad = grad.detach()
+    if axis in rctx.defer_axes or rctx.mesh.axis_size(axis) == 1:
+        out = _backward(fctx, grad)  # stashed for a later step, or a group of one: nothing in flight
+        return lambda: out
+    key = (fctx.op, fctx.tag, axis)
+    if key in rctx.deferred:
+        grad = grad + rctx.deferred.pop(key)
+    wide = reduce_dtype_for(rctx, grad)
+    if rctx.held:
+        _release_held(rctx, axis)  # as _start: before a collective that is started, not after
+    pending = _call_backend(rctx, "all_reduce_async", "all_reduce", grad.to(wide) if wide is not None else grad,
+                            axis, (), fctx.op, fctx.tag, "backward", consume=True)
+    return lambda: pending.wait().to(grad.dtype)
+
+
 def reduce_dtype_for(rctx: RankContext, grad: torch.Tensor):
     """The dtype a gradient sum runs in under mixed precision (None: its own)."""
     r = rctx.reduce_dtype
