@@ -2,7 +2,8 @@
 
 On a mesh axis of size one a collective is its input: the program must not call the backend
 (no rendezvous, no bucket copies) and must still train exactly like the single-device model.
-Unit gradient packing writes each gradient once into the flat reduce-scatter buffer."""
+Unit gradient packing writes each gradient once into the flat reduce-scatter buffer; a gradient
+bucket flattens its gradients into a buffer of its own and hands the sum back as views."""
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 import autoshard
 from autoshard import Mesh
 from autoshard.runtime import Backend, rank_context
+from autoshard.runtime.buckets import flatten, unflatten
 from autoshard.runtime.units import pack_grads, pack_shards, unpack_full, unpack_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,3 +67,24 @@ def test_pack_grads_layout_matches_blocks():
     full = unpack_full(rows, [tuple(s.shape) for s in shards], (1, 0), n)
     assert torch.equal(full[0], g1) and torch.equal(full[1], g2)
     assert [tuple(t.shape) for t in unpack_shards(flat[0], [(4, 3), (1, 5)])] == [(4, 3), (1, 5)]
+
+
+@pytest.mark.parametrize("shapes", [[(3, 4), (0, 4), (5,), (2, 3)], [(6,)]], ids=["several", "one"])
+def test_bucket_flatten_is_its_own_buffer_and_unflatten_views_it(shapes):
+    """The bucket buffer holds the gradients one after the other (a transposed one by value),
+    is new memory also for a single gradient (the all-reduce writes its sum into it), and the
+    views given back as gradients have each gradient's shape and alias the buffer."""
+    ts = [torch.arange(float(torch.Size(s).numel())).reshape(s) + 10 * i for i, s in enumerate(shapes)]
+    ts[0] = ts[0].t().contiguous().t() if ts[0].dim() == 2 else ts[0]  # non-contiguous where 2-d
+    before = [t.clone() for t in ts]
+    flat = flatten(ts)
+    assert flat.tolist() == [x for t in before for x in t.flatten().tolist()]
+    flat += 1000
+    for t, b in zip(ts, before):
+        assert torch.equal(t, b)  # the inputs are untouched: the buffer is not a view of them
+    views = unflatten(flat, ts)
+    assert [tuple(v.shape) for v in views] == [tuple(t.shape) for t in ts]
+    for v, b in zip(views, before):
+        assert torch.equal(v, b + 1000)
+    flat.zero_()
+    assert all(not v.any() for v in views)  # views of the buffer, not copies
