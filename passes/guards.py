@@ -116,7 +116,7 @@ DROPOUT = {aten.dropout.default: (1, 2), aten.feature_dropout.default: (1, 2),
            aten.native_dropout.default: (1, 2)}  # op -> (index of p, index of train)
 
 
-def _written(node: fx.Node) -> list:
+def written_arguments(node: fx.Node) -> list:
     """The arguments an op writes into: those its schema marks ``(a!)``, and the running
     statistics of a normalization in training mode."""
     out = []
@@ -144,7 +144,7 @@ def refuse_state_mutation(graph: fx.Graph, inputs: list) -> None:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        for v in _written(node):
+        for v in written_arguments(node):
             root = _root(v)
             if isinstance(root, fx.Node) and root.op == "placeholder" and root.name in state:
                 inp = state[root.name]

@@ -35,6 +35,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.overlap_linear import varying_linears
 
 from .checkpoint import block_of
+from .guards import written_arguments
 
 aten = torch.ops.aten
 
@@ -75,15 +76,6 @@ def _group(mv: fx.Node, order: dict):
     return linears, weights, biases
 
 
-def _writes_in_place(graph: fx.Graph) -> bool:
-    """Whether any op of the program writes into one of its arguments."""
-    for n in graph.nodes:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-            return True
-    return False
-
-
 def overlap_linear_sums(graph: fx.Graph) -> list:
     """Fuse each ``mark_varying`` read only by linears into one ``varying_linears`` node in
     its place, and a getitem in each linear's (module docstring); returns the tags of the fused all-reduces
@@ -100,7 +92,7 @@ def overlap_linear_sums(graph: fx.Graph) -> list:
         linears, weights, biases = group
         x, axis = mv.args[0], mv.args[1]
         if mutating is None:
-            mutating = _writes_in_place(graph)
+            mutating = any(written_arguments(n) for n in graph.nodes if n.op == "call_function")
         # mark_varying's copy of x is needed only if something could write into x before backward
         keep_copy = mutating or not isinstance(x, fx.Node) or x.op != "call_function"
         with graph.inserting_before(mv):  # its place in the program, so autograd visits it in the same turn

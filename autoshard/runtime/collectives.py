@@ -234,9 +234,7 @@ class _Collective(torch.autograd.Function):
         if early is not None:
             out = early.wait()
         elif lazy and phase == "forward" and rctx.mesh.axis_size(axis) > 1:
-            if rctx.held:
-                _release_held(rctx, axis)
-            fctx.pending = _call_backend(rctx, "all_reduce_async", "all_reduce", x.detach(), axis, (), op, tag, phase)
+            fctx.pending = _launch_all_reduce(rctx, x.detach(), axis, op, tag, phase)
             out = PendingValue.of(fctx.pending, like=x)
         else:
             out = _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, phase)
@@ -273,8 +271,7 @@ def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
             shape = list(grad.shape)
             shape[fctx.dims[0]] //= rctx.mesh.axis_size(fctx.axis)
             return grad.new_zeros(shape)
-        if key in rctx.deferred:
-            grad = grad + rctx.deferred.pop(key)
+        grad = _with_stashed(rctx, key, grad)
         wide = reduce_dtype_for(rctx, grad)
         if wide is not None:
             return _run(rctx, primitive, grad.to(wide), fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag,
@@ -301,15 +298,26 @@ def start_gradient_sum(fctx, grad: torch.Tensor):
     if axis in rctx.defer_axes or rctx.mesh.axis_size(axis) == 1:
         out = _backward(fctx, grad)  # stashed for a later step, or a group of one: nothing in flight
         return lambda: out
-    key = (fctx.op, fctx.tag, axis)
-    if key in rctx.deferred:
-        grad = grad + rctx.deferred.pop(key)
+    grad = _with_stashed(rctx, (fctx.op, fctx.tag, axis), grad)
     wide = reduce_dtype_for(rctx, grad)
-    if rctx.held:
-        _release_held(rctx, axis)  # as _start: before a collective that is started, not after
-    pending = _call_backend(rctx, "all_reduce_async", "all_reduce", grad.to(wide) if wide is not None else grad,
-                            axis, (), fctx.op, fctx.tag, "backward", consume=True)
+    pending = _launch_all_reduce(rctx, grad.to(wide) if wide is not None else grad, axis, fctx.op, fctx.tag,
+                                "backward", consume=True)
     return lambda: pending.wait().to(grad.dtype)
+
+
+def _with_stashed(rctx: RankContext, key, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` plus the sum of earlier microbatches' gradients stashed under ``key`` while
+    gradient accumulation deferred the collective (see ``_backward``), which is then sent once."""
+    return grad + rctx.deferred.pop(key) if key in rctx.deferred else grad
+
+
+def _launch_all_reduce(rctx: RankContext, x: torch.Tensor, axis: str, op: str, tag, phase: str,
+                      consume: bool = False):
+    """Start an all-reduce without waiting; held unit reduce-scatters on ``axis`` start first
+    (as in ``_start``: before a collective that is started, not after). Returns a ``Pending``."""
+    if rctx.held:
+        _release_held(rctx, axis)
+    return _call_backend(rctx, "all_reduce_async", "all_reduce", x, axis, (), op, tag, phase, consume=consume)
 
 
 def reduce_dtype_for(rctx: RankContext, grad: torch.Tensor):
