@@ -140,7 +140,17 @@ def _reduce_scatter_calls(rank):
     from autoshard.runtime import current
 
     backend, x = current().backend, _sum_order_inputs()[rank]
-    return backend.reduce_scatter(x, "x", 1), backend.reduce_scatter_async(x.reshape(-1), "x", 0).wait()
+    # A leading dim of one makes the rank blocks of dim 1 a view of the input, not a copy: the
+    # backend must not take that memory for its spare buffers (the next reduce-scatter of that
+    # size would write into the caller's tensor).
+    row = x[:1].clone()
+    row_copy = row.clone()
+    row_sum = backend.reduce_scatter(row, "x", 1)
+    backend.reduce_scatter_async(row.reshape(-1) * 2, "x", 0).wait()
+    return (backend.reduce_scatter(x, "x", 1), backend.reduce_scatter_async(x.reshape(-1), "x", 0).wait(),
+            backend.reduce_scatter_async(x, "x", 1).wait(), backend.reduce_scatter_async(x[:4], "x", 0).wait(),
+            row_sum, row, row_copy, backend.all_gather(row, "x", 1), backend.all_gather(x, "x", 2),
+            backend.all_gather_async(x, "x", 1).wait(), backend.all_gather_async(row, "x", 1).wait())
 
 
 def _reduce_scatter_worker(rank, world_size):
@@ -151,9 +161,12 @@ def _reduce_scatter_worker(rank, world_size):
 
 def test_gloo_reduce_scatter_sums_in_rank_order_like_the_simulation():
     """Reduce-scatters on gloo (an all-to-all and a sum in rank order) equal the simulated
-    backend's bit for bit on 4 processes, blocking or started early, on dim 0 or another dim."""
+    backend's bit for bit on 4 processes, blocking or started early, on dim 0 or another dim,
+    and so do gathers on other dims; results are contiguous, inputs untouched."""
     got = spawn(_reduce_scatter_worker, 4, timeout=120)
     sim = run_simulated(Mesh({"x": 4}), _reduce_scatter_calls)
     for rank in range(4):
         for g, s in zip(got[rank], sim[rank]):
-            assert g.shape == s.shape and torch.equal(g, s), rank
+            assert g.shape == s.shape and g.is_contiguous() and torch.equal(g, s), rank
+        row, row_copy = got[rank][5:7]
+        assert torch.equal(row, row_copy), rank  # the input of a reduce-scatter is left as it was

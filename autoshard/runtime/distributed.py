@@ -88,6 +88,29 @@ def _sum_blocks(rows: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def _rank_blocks_first(x: torch.Tensor, dim: int, n: int) -> tuple:
+    """``x`` with ``dim`` cut into ``n`` rank blocks, laid out block after block along dim 0
+    (the layout a dim-0 reduce-scatter or all-to-all splits by rank), and whether that is a
+    copy of its own: ``x`` itself for dim 0, else at most one copy (moving ``dim`` to the
+    front and back again was two)."""
+    x = x.detach()
+    front = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    return front.flatten(0, 1) if dim else front, not _shares_memory(front, x)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _merge_rank_blocks(out: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """The inverse for a gather: ``out`` holds the ``n`` ranks' blocks one after the other
+    along dim 0; the result has them side by side along ``dim``, contiguous (one copy, or a
+    view of ``out`` where its layout already is that)."""
+    if dim == 0:
+        return out
+    return out.unflatten(0, (n, out.shape[0] // n)).movedim(0, dim).flatten(dim, dim + 1)
+
+
 class DistributedBackend(Backend):
     """Collectives over the process groups of ``device_mesh`` (built if not given).
 
@@ -183,18 +206,25 @@ class DistributedBackend(Backend):
         return finish
 
     def all_gather_async(self, x, axis, dim, consume=False):
-        if dim != 0:
-            return super().all_gather_async(x, axis, dim)
+        n = self.mesh.axis_size(axis)
         front = x.detach().contiguous()
-        out = self.buffer((self.mesh.axis_size(axis) * front.shape[0],) + front.shape[1:], front.dtype, front.device)
+        shape = (n * front.shape[0],) + front.shape[1:]
+        if dim != 0:
+            # the blocks arrive one after the other along dim 0 and are put side by side along
+            # dim once they are all here (a copy, or a view of the buffer: not recycled)
+            out = front.new_empty(shape)
+            work = _all_gather_1(out, front, group=self.groups[axis], async_op=True)
+            return Pending(out, work, finish=lambda rows: _merge_rank_blocks(rows, dim, n))
+        out = self.buffer(shape, front.dtype, front.device)
         work = _all_gather_1(out, front, group=self.groups[axis], async_op=True)
         return Pending(out, work, finish=self._recycling(front) if consume else None)
 
     def reduce_scatter_async(self, x, axis, dim, consume=False):
-        if dim != 0:
-            return super().reduce_scatter_async(x, axis, dim)
-        check_divisible(x, axis, dim, self.mesh.axis_size(axis), "reduce_scatter")
-        return self._start_reduce_scatter(x.detach().contiguous(), axis, async_op=True, consume=consume)
+        n = self.mesh.axis_size(axis)
+        check_divisible(x, axis, dim, n, "reduce_scatter")
+        front, private = _rank_blocks_first(x, dim, n)
+        # the dim-0 sum of the blocks already has the result's shape and layout
+        return self._start_reduce_scatter(front, axis, async_op=True, consume=consume or private)
 
     def _start_reduce_scatter(self, front, axis, async_op, consume=False):
         """Sum-reduce-scatter of dim 0 of the contiguous ``front``; a ``Pending``.
@@ -219,16 +249,16 @@ class DistributedBackend(Backend):
 
     def all_gather(self, x, axis, dim):
         n = self.mesh.axis_size(axis)
-        front = x.detach().movedim(dim, 0).contiguous()
+        front = x.detach().contiguous()
         out = front.new_empty((n * front.shape[0],) + front.shape[1:])
         _all_gather_1(out, front, group=self.groups[axis])
-        return out.movedim(0, dim).contiguous()
+        return _merge_rank_blocks(out, dim, n)
 
     def reduce_scatter(self, x, axis, dim):
-        check_divisible(x, axis, dim, self.mesh.axis_size(axis), "reduce_scatter")
-        front = x.detach().movedim(dim, 0).contiguous()
-        out = self._start_reduce_scatter(front, axis, async_op=False).wait()
-        return out.movedim(0, dim).contiguous()
+        n = self.mesh.axis_size(axis)
+        check_divisible(x, axis, dim, n, "reduce_scatter")
+        front, private = _rank_blocks_first(x, dim, n)
+        return self._start_reduce_scatter(front, axis, async_op=False, consume=private).wait()
 
     def all_to_all(self, x, axis, scatter_dim, gather_dim):
         n = self.mesh.axis_size(axis)
