@@ -25,6 +25,8 @@ zero3-keep/    the same with ``reshard_after_forward=      the same with ``resha
 fsdp2-keep     False``                                     False``
 tp/dtensor     ``Transformer.parallelize`` (Colwise /      ``layout={"heads": "tp", "ffn": "tp",
                Rowwise ``parallelize_module``, vocab too)  "vocab": "tp"}``
+tp-sp/         the same with ``use_seq_parallel=True``     the same plus ``"seq": "tp?"`` (sequence
+dtensor-sp     (norms on sequence shards)                  parallelism: norms on token rows)
 =============  ==========================================  ========================================
 
 The two runtimes of a pair are timed alternately in the same processes (``--rounds`` rounds of
@@ -54,11 +56,14 @@ from torch import nn  # noqa: E402
 
 # (layers, dim, seq, global batch) -> which pairs run; "8x128" style keys select on the command line.
 CONFIGS = {
-    "4x256": ((4, 256, 128, 8), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep", "tp/dtensor")),
-    "2x512": ((2, 512, 256, 8), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep", "tp/dtensor")),
+    "4x256": ((4, 256, 128, 8), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep", "tp/dtensor",
+                          "tp-sp/dtensor-sp")),
+    "2x512": ((2, 512, 256, 8), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep", "tp/dtensor",
+                          "tp-sp/dtensor-sp")),
     "8x128": ((8, 128, 64, 4), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep")),
-    "4x128tp": ((4, 128, 64, 4), ("tp/dtensor",)),
-    "16x64": ((16, 64, 64, 4), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep", "tp/dtensor")),
+    "4x128tp": ((4, 128, 64, 4), ("tp/dtensor", "tp-sp/dtensor-sp")),
+    "16x64": ((16, 64, 64, 4), ("zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep", "tp/dtensor",
+                          "tp-sp/dtensor-sp")),
 }
 VOCAB = 512
 LR = 1e-3
@@ -124,10 +129,10 @@ def fsdp2_step(model, tokens, labels, rank, world, reshard, mesh):
     return step
 
 
-def dtensor_tp_step(model, tokens, labels, mesh):
+def dtensor_tp_step(model, tokens, labels, mesh, seq_parallel=False):
     from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
     m = copy.deepcopy(model)
-    Transformer.parallelize(m.model, mesh, use_seq_parallel=False, local_output_for_attn=True)
+    Transformer.parallelize(m.model, mesh, use_seq_parallel=seq_parallel, local_output_for_attn=True)
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
 
     def step():
@@ -167,10 +172,11 @@ def runtimes_for(pair, model, tokens, labels, rank, world, meshes):
         return (autoshard_step(model, tokens, labels, rank, dp, {"batch": "dp"}, zero_stage=3,
                                reshard_after_forward=reshard),
                 fsdp2_step(model, tokens, labels, rank, world, reshard, meshes["dp"]))
-    if pair == "tp/dtensor":
-        tp = autoshard.Mesh(meshes["tp"])
-        return (autoshard_step(model, tokens, labels, rank, tp, {"heads": "tp", "ffn": "tp", "vocab": "tp"}),
-                dtensor_tp_step(model, tokens, labels, meshes["tp"]))
+    if pair in ("tp/dtensor", "tp-sp/dtensor-sp"):
+        sp = pair == "tp-sp/dtensor-sp"
+        layout = {"heads": "tp", "ffn": "tp", "vocab": "tp", **({"seq": "tp?"} if sp else {})}
+        return (autoshard_step(model, tokens, labels, rank, autoshard.Mesh(meshes["tp"]), layout),
+                dtensor_tp_step(model, tokens, labels, meshes["tp"], seq_parallel=sp))
     raise ValueError(pair)
 
 
@@ -234,7 +240,7 @@ def worker(opts):
 
 
 def print_table(rows, world):
-    pairs = ["tp/dtensor", "zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep"]
+    pairs = ["tp/dtensor", "tp-sp/dtensor-sp", "zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep"]
     print(f"\n{world} gloo processes, 1 thread each: autoshard step time / PyTorch step time (median of rounds)")
     print("| config (layers, dim, seq, batch) | " + " | ".join(pairs) + " |")
     print("|---" * (len(pairs) + 1) + "|")
