@@ -205,9 +205,10 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
             seen.add(node)
             if node.target in collective_fns and node.target.__name__ in C.COLLECTIVES:
                 body.extend(indent + c for c in _collective_comment(node))
-            elif node.target is varying_linears:  # the mark_varying it absorbed, with its reason
+            elif node.target is varying_linears:  # the collective it absorbed, with its reason
                 info = node.meta[SUM]["autoshard"]
-                body.extend(indent + c for c in _collective_comment(node, op="mark_varying", info=info))
+                op = "mark_varying" if node.kwargs.get("gather_dim") is None else "all_gather_varying"
+                body.extend(indent + c for c in _collective_comment(node, op=op, info=info))
             else:
                 mod = module_of(node)
                 if mod != last_module:

@@ -9,6 +9,10 @@ per linear), whose backward starts the all-reduce as soon as the input gradient 
 computes the weight gradients while it runs. Values are unchanged bit for bit (the runtime
 function's docstring says why); ``plan.collectives`` keeps the one all-reduce, under its tag.
 
+Sequence parallelism gathers token rows for the same linears with ``all_gather_varying``
+(backward: a reduce-scatter of the gradient); such a gather of an activation is fused the same
+way (``gather_dim``), its reduce-scatter overlapped with the weight gradients.
+
 Fused only where it is the same computation: every user of the ``mark_varying`` is an
 ``aten.linear`` reading it as its input (never as a weight or bias); the weights (2-D) and
 biases are parameters as the program receives them (not ZeRO gathers: backward reads the
@@ -76,15 +80,26 @@ def _group(mv: fx.Node, order: dict):
     return linears, weights, biases
 
 
+def _gather_dim(mv: fx.Node):
+    """The gathered dim of an ``all_gather_varying`` of token rows (an activation, not a ZeRO
+    parameter gather), None for a ``mark_varying``; False for any other node."""
+    if mv.target is C.mark_varying:
+        return None
+    if mv.target is C.all_gather_varying and isinstance(mv.args[0], fx.Node) and mv.args[0].op == "call_function":
+        return mv.args[2] if len(mv.args) > 2 else mv.kwargs["dim"]
+    return False
+
+
 def overlap_linear_sums(graph: fx.Graph) -> list:
-    """Fuse each ``mark_varying`` read only by linears into one ``varying_linears`` node in
-    its place, and a getitem in each linear's (module docstring); returns the tags of the fused all-reduces
-    (their reasons end with :data:`OVERLAP`)."""
+    """Fuse each ``mark_varying`` (or token-row ``all_gather_varying``) read only by linears
+    into one ``varying_linears`` node in its place, and a getitem in each linear's (module
+    docstring); returns the tags of the fused collectives (their reasons end with :data:`OVERLAP`)."""
     mutating = None
     fused = []
     order = {n: k for k, n in enumerate(graph.nodes)}  # new nodes are never looked up: theirs do not matter
     for mv in list(graph.nodes):
-        if mv.target is not C.mark_varying or mv.kwargs.get("tag") is None:
+        gather_dim = _gather_dim(mv) if mv.op == "call_function" else False
+        if gather_dim is False or mv.kwargs.get("tag") is None:
             continue
         group = _group(mv, order)
         if group is None:
@@ -93,11 +108,14 @@ def overlap_linear_sums(graph: fx.Graph) -> list:
         x, axis = mv.args[0], mv.args[1]
         if mutating is None:
             mutating = any(written_arguments(n) for n in graph.nodes if n.op == "call_function")
-        # mark_varying's copy of x is needed only if something could write into x before backward
-        keep_copy = mutating or not isinstance(x, fx.Node) or x.op != "call_function"
+        # mark_varying's copy of x is needed only if something could write into x before
+        # backward (a gather makes a new tensor anyway)
+        keep_copy = gather_dim is None and (mutating or not isinstance(x, fx.Node) or x.op != "call_function")
+        options = {"tag": mv.kwargs["tag"], "copy": keep_copy}
+        if gather_dim is not None:
+            options["gather_dim"] = gather_dim
         with graph.inserting_before(mv):  # its place in the program, so autograd visits it in the same turn
-            node = graph.call_function(varying_linears, (x, axis, tuple(weights), tuple(biases)),
-                                       {"tag": mv.kwargs["tag"], "copy": keep_copy})
+            node = graph.call_function(varying_linears, (x, axis, tuple(weights), tuple(biases)), options)
             # an op of the linears' module (their block, for checkpointing), carrying the
             # collective it absorbed: the export comments it, the cost model prices it
             node.meta = {k: v for k, v in linears[0].meta.items() if k != "autoshard"}
@@ -135,8 +153,10 @@ def unfused(graph: fx.Graph) -> fx.Graph:
         if node.target is not varying_linears:
             continue
         x, axis, weights, biases = node.args
+        dim = node.kwargs.get("gather_dim")
         with out.inserting_before(node):
-            mv = out.call_function(C.mark_varying, (x, axis), {"tag": node.kwargs["tag"]})
+            mv = (out.call_function(C.mark_varying, (x, axis), {"tag": node.kwargs["tag"]}) if dim is None else
+                  out.call_function(C.all_gather_varying, (x, axis, dim), {"tag": node.kwargs["tag"]}))
         mv.meta = dict(node.meta[SUM])
         for use in list(node.users):  # the getitems, each replaced by its linear
             w, b = weights[use.args[1]], biases[use.args[1]]

@@ -106,7 +106,7 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
         for c in program.collectives:
             if c.phase == "forward":
                 c.why += (EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
-            elif c.phase == "backward" and c.tag in overlapped and c.op == "mark_varying":
+            elif c.phase == "backward" and c.tag in overlapped and c.op in ("mark_varying", "all_gather_varying"):
                 c.why += OVERLAP
     return program, axes
 

@@ -22,16 +22,20 @@ STEPS = 3
 
 
 CONFIGS = {"zero3": dict(zero_stage=3, reshard_after_forward=True),
-           "ddp-buckets": dict(zero_stage=0, bucket_mb=0.01)}
+           "ddp-buckets": dict(zero_stage=0, bucket_mb=0.01),
+           # sequence parallelism: token rows gathered on dim 1 for linears that start the
+           # gradient's reduce-scatter before their weight gradients (overlap_linear)
+           "sp": dict(zero_stage=0, layout={"seq": "tp?"})}
 
 
 def make_plan(config):
     if config == "embedded":
         return embedded_plan()
     model, args, dims = llama_tiny(with_labels=True)
+    options = dict(CONFIGS[config])
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "tp": 2}), dims=dims,
-                               layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, train=True,
-                               **CONFIGS[config])
+                               layout={"batch": "dp", "heads": "tp", "ffn": "tp", **options.pop("layout", {})},
+                               train=True, **options)
     return plan, args
 
 
@@ -68,6 +72,10 @@ def test_training_on_gloo_equals_simulation(config):
     plan, args = make_plan(config)
     assert_equals_simulation(results, plan, args)
     assert {r.phase for r in plan.last_trace[0]} >= {"forward", "backward"}
+    if config == "sp":
+        from autoshard.runtime.overlap_linear import varying_linears
+        assert [n for n in plan.graph_module.graph.nodes
+                if n.target is varying_linears and n.kwargs.get("gather_dim") == 1]
 
 
 def embedded_plan():

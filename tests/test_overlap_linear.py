@@ -38,9 +38,10 @@ def _data(outs, bias, shape=(4, 8, 64)):
     return x, ws, bs
 
 
-def _step(rank, x0, ws0, bs0, fused, setup=lambda ctx: None, microbatches=1):
-    """One rank: layer norm, the linears (fused or as mark_varying + aten.linear), a loss that
-    weighs the outputs differently; returns the gradients of x, weights, biases and the outputs."""
+def _step(rank, x0, ws0, bs0, fused, setup=lambda ctx: None, microbatches=1, gather_dim=None):
+    """One rank: layer norm, the linears (fused or as mark_varying + aten.linear; with
+    ``gather_dim``, reading token rows gathered by all_gather_varying), a loss that weighs the
+    outputs differently; returns the gradients of x, weights, biases and the outputs."""
     setup(current())
     x = (x0 * (rank + 1)).requires_grad_()
     ws = [(w + rank).requires_grad_() for w in ws0]
@@ -50,9 +51,9 @@ def _step(rank, x0, ws0, bs0, fused, setup=lambda ctx: None, microbatches=1):
             current().defer_axes = frozenset()  # the last microbatch sends the accumulated sums
         h = torch.nn.functional.layer_norm(x * (mb + 1), x.shape[-1:])
         if fused:
-            ys = varying_linears(h, "tp", ws, bs, tag=1)
+            ys = varying_linears(h, "tp", ws, bs, tag=1, gather_dim=gather_dim)
         else:
-            m = mark_varying(h, "tp", tag=1)
+            m = mark_varying(h, "tp", tag=1) if gather_dim is None else C.all_gather_varying(h, "tp", gather_dim, tag=1)
             ys = [aten.linear.default(m, w) if b is None else aten.linear.default(m, w, b) for w, b in zip(ws, bs)]
         loss = sum((y * y).sum() * (i + 1) + y.sin().sum() for i, y in enumerate(ys))
         loss.backward()
@@ -72,6 +73,23 @@ def _assert_equal(unfused, fused):
 @pytest.mark.parametrize("outs,bias", [((24, 16, 8), False), ((32,), True), ((24, 16, 8), True)])
 def test_fused_linears_equal_unfused_bitwise(outs, bias):
     _assert_equal(*_both({"tp": 2}, *_data(outs, bias)))
+
+
+@pytest.mark.parametrize("gather_dim", [1, 0])
+def test_fused_gather_linears_equal_unfused_bitwise(gather_dim):
+    """Sequence parallelism: each rank's token rows gathered for the linears; backward
+    reduce-scatters the input gradient. Also widened, accumulated, and on one rank."""
+    data = _data((24, 16, 8), True)
+    _assert_equal(*_both({"tp": 2}, *data, gather_dim=gather_dim))
+    _assert_equal(*_both({"tp": 1}, *data, gather_dim=gather_dim))
+
+    def wide(ctx):
+        ctx.reduce_dtype = torch.float64
+    _assert_equal(*_both({"tp": 2}, *data, setup=wide, gather_dim=gather_dim))
+
+    def no_sync(ctx):
+        ctx.defer_axes = frozenset({"tp"})
+    _assert_equal(*_both({"tp": 2}, *data, setup=no_sync, microbatches=3, gather_dim=gather_dim))
 
 
 def test_group_sums_input_gradients_in_autograd_order():
@@ -142,14 +160,50 @@ def test_all_reduce_is_in_flight_while_weight_gradients_are_computed(monkeypatch
             sum(y.sum() for y in ys).backward()
 
     run_simulated(autoshard.Mesh({"tp": 2}), rank)
+    _assert_started_between_input_and_weight_gradients(logs, rows=32)
+
+
+def _assert_started_between_input_and_weight_gradients(logs, rows):
     for log in logs.values():
         kinds = [e[0] for e in log]
         assert kinds.count("start") == kinds.count("wait") == 1, log
         start, wait = kinds.index("start"), kinds.index("wait")
-        dx = [i for i, e in enumerate(log) if e == ("mm", (32, 64))]
+        dx = [i for i, e in enumerate(log) if e == ("mm", (rows, 64))]
         dw = [i for i, e in enumerate(log) if e in (("mm", (24, 64)), ("mm", (16, 64)), ("mm", (8, 64)))]
         assert len(dx) == len(dw) == 3, log
         assert max(dx) < start < min(dw) and max(dw) < wait, log
+
+
+def test_reduce_scatter_is_in_flight_while_weight_gradients_are_computed(monkeypatch):
+    """The gathered form: the input gradient's reduce-scatter (on the gathered dim) starts
+    after the three input-gradient matmuls and is waited for after the weight gradients."""
+    x0, ws0, _ = _data((24, 16, 8), False)  # each rank: 32 token rows of 64, gathered to 64 rows
+    logs: dict = {0: [], 1: []}
+
+    class Spy(SimulatedBackend):
+        def reduce_scatter_async(self, x, axis, dim, consume=False):
+            log = logs[current().rank]
+            log.append(("start", dim))
+            done = super().reduce_scatter_async(x, axis, dim, consume)
+
+            class Logged(Pending):
+                def wait(self):
+                    log.append(("wait", None))
+                    return done.wait()
+            return Logged(None)
+
+    monkeypatch.setattr(simulated, "SimulatedBackend", Spy)
+
+    def rank(r):
+        x = x0.clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in ws0]
+        ys = varying_linears(torch.nn.functional.layer_norm(x, (64,)), "tp", ws, (None,) * 3, tag=1, gather_dim=1)
+        with _MatmulLog(logs[r]):
+            sum(y.sum() for y in ys).backward()
+
+    run_simulated(autoshard.Mesh({"tp": 2}), rank)
+    assert all(("start", 1) in log for log in logs.values())
+    _assert_started_between_input_and_weight_gradients(logs, rows=64)
 
 
 # ---- the pass, on tensor-parallel programs --------------------------------------------------
@@ -195,7 +249,10 @@ TP_DIMS = {"tokens": "batch seq", "labels": "batch seq", "tok.weight": "vocab hi
            "*.wo.weight": "hidden heads", "*.w1.weight": "ffn hidden", "*.w1.bias": "ffn", "*.w2.weight": "hidden ffn"}
 
 
-def _transformer_plan(fuse=True, monkeypatch=None, **options):
+SP = {"heads": "tp", "ffn": "tp", "vocab": "tp", "seq": "tp?"}
+
+
+def _transformer_plan(fuse=True, monkeypatch=None, layout=None, **options):
     torch.manual_seed(0)
     model = _Transformer()
     g = torch.Generator().manual_seed(1)
@@ -203,7 +260,8 @@ def _transformer_plan(fuse=True, monkeypatch=None, **options):
     if not fuse:
         monkeypatch.setattr(program_pass, "overlap_linear_sums", lambda graph: [])
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=TP_DIMS,
-                               layout={"heads": "tp", "ffn": "tp", "vocab": "tp"}, train=True, search=False, **options)
+                               layout=layout or {"heads": "tp", "ffn": "tp", "vocab": "tp"}, train=True,
+                               search=False, **options)
     if not fuse:
         monkeypatch.undo()
     return plan, args
@@ -229,7 +287,20 @@ def test_pass_fuses_every_column_parallel_input_of_a_tp_transformer(monkeypatch)
     assert str(plan.cost) == str(unfused.cost)  # priced as the unfused program
 
 
-@pytest.mark.parametrize("options", [{}, {"checkpoint": True}])
+def test_pass_fuses_the_gathers_of_a_sequence_parallel_transformer(monkeypatch):
+    plan, _ = _transformer_plan(layout=SP)
+    unfused, _ = _transformer_plan(fuse=False, monkeypatch=monkeypatch, layout=SP)
+    gathers = [n for n in unfused.graph_module.graph.nodes if n.target is C.all_gather_varying]
+    # per block the q/k/v rows (three linears) and the MLP rows (one, with bias); the head's rows
+    assert [(len(n.args[2]), n.kwargs.get("gather_dim")) for n in _fused_nodes(plan)] == [(3, 1), (1, 1)] * 2 + [(1, 1)]
+    assert sorted(n.kwargs["tag"] for n in _fused_nodes(plan)) == sorted(n.kwargs["tag"] for n in gathers)
+    assert not [n for n in plan.graph_module.graph.nodes if n.target is C.all_gather_varying]
+    key = [(c.kind, c.axes, c.bytes, c.phase, c.tag, c.op) for c in plan.collectives]
+    assert key == [(c.kind, c.axes, c.bytes, c.phase, c.tag, c.op) for c in unfused.collectives]
+    assert str(plan.cost) == str(unfused.cost)
+
+
+@pytest.mark.parametrize("options", [{}, {"checkpoint": True}, {"layout": SP}])
 def test_fused_plan_equals_unfused_bitwise(monkeypatch, options):
     plan, args = _transformer_plan(**options)
     unfused, _ = _transformer_plan(fuse=False, monkeypatch=monkeypatch, **options)

@@ -77,7 +77,10 @@ def test_tp4_gathers_once_for_whole_kv_projections():
         for proj in ("k_proj", "v_proj"):
             line = next(ln for ln in code.splitlines() if f"p_layers_{b}_self_attn_{proj}_weight)" in ln)
             assert "linear.default(replicated_use" in line, line
-    assert code.count("= autoshard_runtime_collectives_all_gather_varying(") == 5  # 2 per block + logits
+    # 2 per block + logits; the MLP's, read only by linears, fused with them (overlap_linear)
+    fused = [ln for ln in code.splitlines() if "= autoshard_runtime_overlap_linear_varying_linears(" in ln]
+    assert code.count("= autoshard_runtime_collectives_all_gather_varying(") + len(fused) == 5
+    assert len(fused) == 2 and all("gather_dim = 1" in ln for ln in fused), fused
 
 
 def test_soft_entries_parse_and_hard_errors_stay():

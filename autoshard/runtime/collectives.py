@@ -148,18 +148,18 @@ def _call_backend(ctx: RankContext, method: str, primitive: str, x: torch.Tensor
 
 
 def _start(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, op: str, tag: int | None,
-           phase: str):
-    """Issue a dim-0 all-gather / reduce-scatter of a flat buffer without waiting (a backend
-    that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it at the
-    same point of the program, so the order of collectives stays the same on all ranks. ``x``
-    is the caller's private buffer (a packed unit): the backend may reuse it once sent."""
+           phase: str, dim: int = 0):
+    """Issue an all-gather / reduce-scatter on ``dim`` (a flat buffer's 0) without waiting (a
+    backend that cannot overlap finishes it here); returns a ``Pending``. Every rank issues it
+    at the same point of the program, so the order of collectives stays the same on all ranks.
+    ``x`` is the caller's private buffer (a packed unit): the backend may reuse it once sent."""
     if ctx.held:
         _release_held(ctx, axis)
     if ctx.landing is not None and ctx.landing.pending:
         ctx.landing.settle()  # before this one allocates its buffers
     if ctx.mesh.axis_size(axis) == 1:
-        return Pending(_run(ctx, primitive, x, axis, (0,), op, tag, phase))  # a group of one: done
-    return _call_backend(ctx, primitive + "_async", primitive, x, axis, (0,), op, tag, phase, consume=True)
+        return Pending(_run(ctx, primitive, x, axis, (dim,), op, tag, phase))  # a group of one: done
+    return _call_backend(ctx, primitive + "_async", primitive, x, axis, (dim,), op, tag, phase, consume=True)
 
 
 def _buffers(ctx: RankContext, axis: str):
@@ -279,12 +279,25 @@ def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
     return _run(rctx, primitive, grad, fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag, "backward")
 
 
+def run_forward(op: str, x: torch.Tensor, axis: str, dims: tuple, tag: int | None) -> torch.Tensor:
+    """``op``'s forward primitive on ``x`` as the current rank, recorded in the trace as
+    ``op`` would record it, outside autograd: for fused nodes that run their own backward
+    (see ``overlap_linear``).
+
+    Example::
+
+        h = run_forward("all_gather_varying", x_rows, "tp", (1,), tag=3)   # the gathered rows
+    """
+    rctx = current(f"autoshard collective {op}")
+    return _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, _phase(rctx))
+
+
 def start_gradient_sum(fctx, grad: torch.Tensor):
-    """:func:`_backward` of an op whose adjoint is an all-reduce (``fctx.op``, e.g.
-    ``"mark_varying"``), started without waiting where the backend can; returns a function
-    that waits and gives the result. Gradient accumulation and mixed precision as in
-    ``_backward``, the same record in the trace. ``grad`` is the caller's own buffer: the sum
-    may be written into it.
+    """:func:`_backward` of an op whose adjoint sums over ranks (``fctx.op``, e.g.
+    ``"mark_varying"``: an all-reduce; ``"all_gather_varying"``: a reduce-scatter), started
+    without waiting where the backend can; returns a function that waits and gives the result.
+    Gradient accumulation and mixed precision as in ``_backward``, the same record in the
+    trace. ``grad`` is the caller's own buffer: the sum may be written into it.
 
     Example::
 
@@ -292,16 +305,20 @@ def start_gradient_sum(fctx, grad: torch.Tensor):
         ...                                   # compute that needs no communication
         dx = wait()
     """
-    rctx, axis = fctx.rctx, fctx.axis
-    assert ADJOINTS[fctx.op].backward == "all_reduce", fctx.op
+    rctx, axis, primitive = fctx.rctx, fctx.axis, ADJOINTS[fctx.op].backward
+    assert primitive in SUMMING, fctx.op
     grad = grad.detach()
     if axis in rctx.defer_axes or rctx.mesh.axis_size(axis) == 1:
         out = _backward(fctx, grad)  # stashed for a later step, or a group of one: nothing in flight
         return lambda: out
     grad = _with_stashed(rctx, (fctx.op, fctx.tag, axis), grad)
     wide = reduce_dtype_for(rctx, grad)
-    pending = _launch_all_reduce(rctx, grad.to(wide) if wide is not None else grad, axis, fctx.op, fctx.tag,
-                                "backward", consume=True)
+    sent = grad.to(wide) if wide is not None else grad
+    if primitive == "all_reduce":
+        pending = _launch_all_reduce(rctx, sent, axis, fctx.op, fctx.tag, "backward", consume=True)
+    else:
+        check_divisible(sent, axis, fctx.dims[0], rctx.mesh.axis_size(axis), fctx.op + " (reduce_scatter)")
+        pending = _start(rctx, primitive, sent, axis, fctx.op, fctx.tag, "backward", dim=fctx.dims[0])
     return lambda: pending.wait().to(grad.dtype)
 
 

@@ -13,6 +13,10 @@ and the all-reduce runs after all of them with nothing left to hide it behind.
 the input gradient first, starts its all-reduce, computes the weight (and bias) gradients while
 the sum is in flight, and then waits for it.
 
+Sequence parallelism reads token rows gathered by ``all_gather_varying`` (backward:
+reduce-scatter of the gradient) in the same linears; ``gather_dim`` fuses that gather the same
+way, its reduce-scatter started as soon as the input gradient exists.
+
 Values are those of the unfused program bit for bit: forward runs the same ``aten.linear``
 calls, recording their autograd graph on detached copies of the inputs, and backward runs
 autograd itself on that graph, once for the input gradient (summed over the linears in
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import mark_varying, start_gradient_sum
+from .collectives import all_gather_varying, mark_varying, run_forward, start_gradient_sum
 from .context import current
 
 aten = torch.ops.aten
@@ -43,21 +47,27 @@ class _VaryingLinears(torch.autograd.Function):
     the weight gradients, then the wait."""
 
     @staticmethod
-    def forward(fctx, x, axis, tag, copy, n, *params):
-        fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = current("varying_linears"), "mark_varying", axis, (), tag
+    def forward(fctx, x, axis, tag, copy, gather_dim, n, *params):
+        fctx.rctx, fctx.axis, fctx.tag = current("varying_linears"), axis, tag
+        fctx.op, fctx.dims = ("mark_varying", ()) if gather_dim is None else ("all_gather_varying", (gather_dim,))
         fctx.set_materialize_grads(False)  # an output nobody reads gets no backward, as a plain linear
         weights, biases = params[:n], params[n:]
         needs = fctx.needs_input_grad
+        if gather_dim is not None:
+            # all_gather_varying's forward (a new tensor: nothing else can write into it)
+            h = run_forward(fctx.op, x, axis, fctx.dims, tag)
+        else:
+            # mark_varying's forward copies x (a later in-place op on x must not reach what
+            # backward reads); ``copy=False`` where the program provably has no such op
+            h = x.detach().clone() if copy else x
 
         def leaf(t, need):
             return None if t is None else t.detach().requires_grad_(need)
 
         with torch.enable_grad():
-            # mark_varying's forward copies x (a later in-place op on x must not reach what
-            # backward reads); ``copy=False`` where the program provably has no such op
-            xd = leaf(x.detach().clone() if copy else x, needs[0])
-            wd = [leaf(w, need) for w, need in zip(weights, needs[5:5 + n])]
-            bd = [leaf(b, need) for b, need in zip(biases, needs[5 + n:])]
+            xd = leaf(h, needs[0])
+            wd = [leaf(w, need) for w, need in zip(weights, needs[6:6 + n])]
+            bd = [leaf(b, need) for b, need in zip(biases, needs[6 + n:])]
             ys = [_linear(xd, w, b) for w, b in zip(wd, bd)]
         fctx.x_leaf = xd
         fctx.param_leaves = [t for t in wd + bd if t is not None and t.requires_grad]
@@ -69,7 +79,7 @@ class _VaryingLinears(torch.autograd.Function):
     @staticmethod
     def backward(fctx, *grads):
         pairs = [(e, g) for e, g in zip(fctx.edges, grads) if g is not None]
-        none = (None,) * 5
+        none = (None,) * 6
         if not pairs:
             return none + (None,) * len(fctx.slots)
         edges, gs = [e for e, _ in pairs], [g for _, g in pairs]
@@ -85,22 +95,26 @@ class _VaryingLinears(torch.autograd.Function):
 
 
 def varying_linears(x: torch.Tensor, axis: str, weights, biases, tag: int | None = None,
-                    copy: bool = True) -> tuple:
+                    copy: bool = True, gather_dim: int | None = None) -> tuple:
     """``tuple(aten.linear(h, w, b) for w, b in zip(weights, biases))`` with
     ``h = mark_varying(x, axis, tag)``, as one autograd node whose backward all-reduces the
     input gradient while it computes the weight gradients (module docstring). A bias may be
     None. ``copy=False`` reads ``x`` itself instead of mark_varying's copy of it (for programs
-    that never write into a tensor in place).
+    that never write into a tensor in place). With ``gather_dim``, ``h`` is
+    ``all_gather_varying(x, axis, gather_dim, tag)`` instead (sequence parallelism: token rows
+    gathered for the linears), and backward reduce-scatters the input gradient while it
+    computes the weight gradients.
 
     Example::
 
         q, k, v = varying_linears(x, "tp", (wq, wk, wv), (None, None, None), tag=1)
+        q, k, v = varying_linears(x_rows, "tp", (wq, wk, wv), (None, None, None), tag=1, gather_dim=1)
     """
     weights, biases = tuple(weights), tuple(biases)
     tensors = [x, *weights, *(b for b in biases if b is not None)]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         # no backward to overlap: the unfused calls (a recomputed block's first, no-grad run)
-        h = mark_varying(x, axis, tag)
+        h = mark_varying(x, axis, tag) if gather_dim is None else all_gather_varying(x, axis, gather_dim, tag)
         return tuple(_linear(h, w, b) for w, b in zip(weights, biases))
     current("varying_linears").mesh.check_axis(axis)
-    return _VaryingLinears.apply(x, axis, tag, copy, len(weights), *weights, *biases)
+    return _VaryingLinears.apply(x, axis, tag, copy, gather_dim, len(weights), *weights, *biases)
