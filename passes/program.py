@@ -22,6 +22,7 @@ from autoshard.runtime.buckets import assign_buckets
 from . import context as cp
 from . import vocab_parallel as vp
 from .early_sums import EARLY, start_sums_early
+from .inplace_sums import IN_PLACE, consume_sum_inputs
 from .output_sums import LAZY, defer_output_sums
 from .overlap_linear import OVERLAP, overlap_linear_sums
 from .experts import find_expert_regions, lowerings, owned_placements
@@ -63,7 +64,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     (:mod:`autoshard.passes.vocab_parallel`). ``early_sums``: start forward sums without a gradient as soon as their inputs
     exist (:mod:`autoshard.passes.early_sums`), return those only outputs read before they
     arrive (:mod:`autoshard.passes.output_sums`) and run the input-gradient sums of
-    column-parallel linears under their weight gradients (:mod:`autoshard.passes.overlap_linear`);
+    column-parallel linears under their weight gradients (:mod:`autoshard.passes.overlap_linear`),
+    and write forward sums into inputs nothing else reads (:mod:`autoshard.passes.inplace_sums`);
     not for pipeline stages, which the program is cut into by its order. Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
@@ -101,11 +103,13 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     early = start_sums_early(program.graph_module.graph) if early_sums else []
     lazy = defer_output_sums(program.graph_module.graph) if early_sums else []
     overlapped = overlap_linear_sums(program.graph_module.graph) if early_sums else []
-    if early or lazy or overlapped:
+    in_place = consume_sum_inputs(program.graph_module.graph) if early_sums else []
+    if early or lazy or overlapped or in_place:
         program.graph_module.recompile()
         for c in program.collectives:
             if c.phase == "forward":
-                c.why += (EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
+                c.why += ((EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
+                          + (IN_PLACE if c.tag in in_place else ""))
             elif c.phase == "backward" and c.tag in overlapped and c.op in ("mark_varying", "all_gather_varying"):
                 c.why += OVERLAP
     return program, axes

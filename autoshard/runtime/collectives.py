@@ -225,7 +225,7 @@ class _Collective(torch.autograd.Function):
     """One autograd Function for every row of ADJOINTS: forward and backward read the table."""
 
     @staticmethod
-    def forward(fctx, x, op, axis, dims, tag, lazy=False):
+    def forward(fctx, x, op, axis, dims, tag, lazy=False, consume=False):
         rctx = current(f"autoshard collective {op}")
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
         fctx.pending = None
@@ -236,6 +236,16 @@ class _Collective(torch.autograd.Function):
         elif lazy and phase == "forward" and rctx.mesh.axis_size(axis) > 1:
             fctx.pending = _launch_all_reduce(rctx, x.detach(), axis, op, tag, phase)
             out = PendingValue.of(fctx.pending, like=x)
+        elif consume and rctx.mesh.axis_size(axis) > 1:
+            # x is read by nothing else (passes/inplace_sums.py): the backend may sum into it
+            # (as _run: held reduce-scatters of a recompute in backward start after it, not before)
+            out = _call_backend(rctx, "all_reduce_async", "all_reduce", x.detach(), axis, (), op, tag, phase,
+                                consume=True).wait()
+            if rctx.held:
+                _release_held(rctx, axis)
+            if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+                fctx.mark_dirty(x)  # a tensor autograd saved would now fail in backward, not silently
+                return x
         else:
             out = _run(rctx, ADJOINTS[op].forward, x.detach(), axis, dims, op, tag, phase)
         if tag is not None and tag in rctx.reshard_tags:
@@ -248,7 +258,7 @@ class _Collective(torch.autograd.Function):
         if fctx.pending is not None:
             # a sum returned pending and never read: finished by the end of backward all the same
             torch.autograd.Variable._execution_engine.queue_callback(fctx.pending.wait)
-        return _backward(fctx, grad), None, None, None, None, None
+        return _backward(fctx, grad), None, None, None, None, None, None
 
 
 def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
@@ -364,28 +374,33 @@ def _dim(x: torch.Tensor, dim: int, op: str, name: str = "dim") -> int:
     return dim % x.dim()
 
 
-def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None, lazy: bool = False):
+def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None, lazy: bool = False,
+           consume: bool = False):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
     current(f"autoshard collective {op}").mesh.check_axis(axis)
-    return _Collective.apply(x, op, axis, dims, tag, lazy)
+    return _Collective.apply(x, op, axis, dims, tag, lazy, consume)
 
 
 # ---- the public functions, one per row of ADJOINTS -------------------------------------------
 
-def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None, lazy: bool = False) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None, lazy: bool = False,
+               consume: bool = False) -> torch.Tensor:
     """Partial -> Replicate: sum over ``axis``; backward is the identity (Megatron's g).
 
     ``lazy=True`` (forward only): return the sum started but not waited for, as a
     :class:`~autoshard.runtime.pending_value.PendingValue` that waits when its data is read;
     for values only the program's outputs read (a loss; placed by ``passes/output_sums.py``).
+    ``consume=True``: nothing else reads ``x``, so the sum may be written into it (and ``x``
+    returned) instead of a copy; placed by ``passes/inplace_sums.py``.
 
     Example::
 
         y = all_reduce(x_partial, "tp")     # every tp rank now holds the sum
         loss = all_reduce(loss_partial, "dp", lazy=True)   # loss.item() waits for it
+        y = all_reduce(linear(h, w_row_shard), "tp", consume=True)   # no copy of the partials
     """
-    return _apply("all_reduce", x, axis, (), tag, lazy)
+    return _apply("all_reduce", x, axis, (), tag, lazy, consume)
 
 
 def start_all_reduce(x: torch.Tensor, axis: str, tag: int) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import Backend, CollectiveError, check_divisible, check_splits
+from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits
 from .context import describe_call, rank_context
 
 
@@ -115,6 +115,14 @@ class SimulatedBackend(Backend):
     def all_reduce(self, x, axis):
         parts, _ = self._meet("all_reduce", x, axis, ())
         return _ordered_sum(parts)
+
+    def all_reduce_async(self, x, axis, consume=False):
+        # as the gloo backend does: a consumed contiguous input receives the sum (so the
+        # simulation runs the same in-place path, autograd's checks included)
+        out = self.all_reduce(x, axis)
+        if consume and x.is_contiguous():
+            out = x.copy_(out)
+        return Pending(out)
 
     def all_gather(self, x, axis, dim):
         parts, _ = self._meet("all_gather", x, axis, (dim,))
