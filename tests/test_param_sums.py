@@ -293,3 +293,14 @@ def test_gloo_sums_run_under_backward_and_equal_the_simulation():
     got = plan.assemble_grads([g for g, _ in results])
     for fqn in sim:
         assert torch.equal(got[fqn], sim[fqn]), fqn
+
+
+@pytest.mark.slow
+def test_exported_program_prints_later_and_trains_on_gloo(tmp_path):
+    from test_export import torchrun
+    plan, _, args = _sp_plan({"tp": 2})
+    path = plan.export(tmp_path / "sp", args)
+    assert (path / "program.py").read_text().count("later = True") == len(ROW_PARAMS)
+    proc, _ = torchrun(path, 2, "--check", "--steps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check passed" in proc.stdout and "losses of 2 adamw steps match" in proc.stdout, proc.stdout
