@@ -285,7 +285,7 @@ def test_gloo_sums_run_under_backward_and_equal_the_simulation():
         assert not [t for e, t in log if e == "sync" and t in later], log  # none waited for in place
         for tag in later:
             start, wait = log.index(("start", tag)), log.index(("wait", tag))
-            assert wait > max(i for i, (e, _) in enumerate(log) if e in ("sync", "start")), log
+            assert start < wait and wait > max(i for i, (e, _) in enumerate(log) if e in ("sync", "start")), log
         # the final norm's sum (first in backward) was in flight under the blocks' collectives
         first = log.index(("start", max(later)))
         assert sum(e == "sync" for e, _ in log[first:]) >= 8, log
