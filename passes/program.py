@@ -25,6 +25,7 @@ from .early_sums import EARLY, start_sums_early
 from .inplace_sums import IN_PLACE, consume_sum_inputs
 from .output_sums import LAZY, defer_output_sums
 from .overlap_linear import OVERLAP, overlap_linear_sums
+from .param_sums import LATER, sum_param_grads_later
 from .experts import find_expert_regions, lowerings, owned_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
 from .units import group_units
@@ -65,8 +66,9 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     exist (:mod:`autoshard.passes.early_sums`), return those only outputs read before they
     arrive (:mod:`autoshard.passes.output_sums`) and run the input-gradient sums of
     column-parallel linears under their weight gradients (:mod:`autoshard.passes.overlap_linear`),
-    and write forward sums into inputs nothing else reads (:mod:`autoshard.passes.inplace_sums`);
-    not for pipeline stages, which the program is cut into by its order. Returns
+    write forward sums into inputs nothing else reads (:mod:`autoshard.passes.inplace_sums`) and
+    add the gradient sums of parameters read nowhere else into ``.grad`` after backward
+    (:mod:`autoshard.passes.param_sums`); not for pipeline stages, which the program is cut into by its order. Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
@@ -104,14 +106,17 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     lazy = defer_output_sums(program.graph_module.graph) if early_sums else []
     overlapped = overlap_linear_sums(program.graph_module.graph) if early_sums else []
     in_place = consume_sum_inputs(program.graph_module.graph) if early_sums else []
-    if early or lazy or overlapped or in_place:
+    # after the fusion above, which reads mark_varyings of activations, never of parameters
+    later = sum_param_grads_later(program.graph_module.graph, grad_inputs, skip=program.bucketed) \
+        if early_sums and train else []
+    if early or lazy or overlapped or in_place or later:
         program.graph_module.recompile()
         for c in program.collectives:
             if c.phase == "forward":
                 c.why += ((EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
                           + (IN_PLACE if c.tag in in_place else ""))
-            elif c.phase == "backward" and c.tag in overlapped and c.op in ("mark_varying", "all_gather_varying"):
-                c.why += OVERLAP
+            elif c.phase == "backward" and c.op in ("mark_varying", "all_gather_varying"):
+                c.why += (OVERLAP if c.tag in overlapped else "") + (LATER if c.tag in later else "")
     return program, axes
 
 

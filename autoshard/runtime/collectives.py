@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import units
+from . import param_sums, units
 from .backend import Pending, check_divisible
 from .context import CollectiveRecord, RankContext, activate, current, current_or_none
 from .pending_value import PendingValue
@@ -225,10 +225,12 @@ class _Collective(torch.autograd.Function):
     """One autograd Function for every row of ADJOINTS: forward and backward read the table."""
 
     @staticmethod
-    def forward(fctx, x, op, axis, dims, tag, lazy=False, consume=False):
+    def forward(fctx, x, op, axis, dims, tag, lazy=False, consume=False, later=False):
         rctx = current(f"autoshard collective {op}")
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
         fctx.pending = None
+        # a parameter leaf whose gradient sum may land in .grad when backward ends (param_sums)
+        fctx.leaf = x if later and x.is_leaf and x.requires_grad else None
         phase = _phase(rctx)
         early = rctx.prefetched.pop(("all_reduce", tag), None) if op == "all_reduce" and phase == "forward" else None
         if early is not None:
@@ -258,7 +260,9 @@ class _Collective(torch.autograd.Function):
         if fctx.pending is not None:
             # a sum returned pending and never read: finished by the end of backward all the same
             torch.autograd.Variable._execution_engine.queue_callback(fctx.pending.wait)
-        return _backward(fctx, grad), None, None, None, None, None, None
+        if fctx.leaf is not None and _sum_later(fctx, grad):
+            return (None,) * 8  # the sum lands in the parameter's .grad when backward ends
+        return _backward(fctx, grad), None, None, None, None, None, None, None
 
 
 def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
@@ -332,6 +336,25 @@ def start_gradient_sum(fctx, grad: torch.Tensor):
     return lambda: pending.wait().to(grad.dtype)
 
 
+def _sum_later(fctx, grad: torch.Tensor) -> bool:
+    """Start the all-reduce of ``fctx.leaf``'s gradient (``mark_varying(..., later=True)``) and
+    have it added into the leaf's ``.grad`` when backward ends (:mod:`.param_sums`); the same
+    sum and trace record as ``_backward``'s. False, nothing done, where ``_backward`` must run
+    now: under gradient accumulation on the axis (stashed as usual), on a group of one, or
+    where autograd would not simply add the gradient into ``.grad``."""
+    rctx, axis = fctx.rctx, fctx.axis
+    if axis in rctx.defer_axes or rctx.mesh.axis_size(axis) == 1 \
+            or not param_sums.lands_in_grad(fctx.leaf, fctx.next_functions[0][0]):
+        return False
+    grad = _with_stashed(rctx, (fctx.op, fctx.tag, axis), grad.detach())
+    wide = reduce_dtype_for(rctx, grad)
+    # not consumed: the incoming gradient may be shared with other consumers (as _run, a copy)
+    pending = _launch_all_reduce(rctx, grad.to(wide) if wide is not None else grad, axis, fctx.op, fctx.tag,
+                                 "backward")
+    param_sums.LANDING.add(fctx.leaf, pending, grad.dtype)
+    return True
+
+
 def _with_stashed(rctx: RankContext, key, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` plus the sum of earlier microbatches' gradients stashed under ``key`` while
     gradient accumulation deferred the collective (see ``_backward``), which is then sent once."""
@@ -375,11 +398,11 @@ def _dim(x: torch.Tensor, dim: int, op: str, name: str = "dim") -> int:
 
 
 def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None, lazy: bool = False,
-           consume: bool = False):
+           consume: bool = False, later: bool = False):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
     current(f"autoshard collective {op}").mesh.check_axis(axis)
-    return _Collective.apply(x, op, axis, dims, tag, lazy, consume)
+    return _Collective.apply(x, op, axis, dims, tag, lazy, consume, later)
 
 
 # ---- the public functions, one per row of ADJOINTS -------------------------------------------
@@ -424,16 +447,21 @@ def start_all_reduce(x: torch.Tensor, axis: str, tag: int) -> None:
                                                          "all_reduce", tag, "forward")
 
 
-def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None) -> torch.Tensor:
+def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None, later: bool = False) -> torch.Tensor:
     """Replicate consumed by varying work: identity forward; backward sums grads over ``axis``.
 
     Megatron's f / JAX's pbroadcast; on a data axis, this backward all-reduce is the DDP sync.
 
+    ``later=True``, for a parameter leaf the program reads nowhere else: backward starts the
+    sum without waiting and it is added into ``x.grad`` when backward ends (the same values;
+    :mod:`~autoshard.runtime.param_sums`, placed by ``passes/param_sums.py``).
+
     Example::
 
         h = mark_varying(x, "tp") @ w_col_shard.T
+        w = mark_varying(norm_weight, "tp", later=True)   # norm_weight.grad summed after backward
     """
-    return _apply("mark_varying", x, axis, (), tag)
+    return _apply("mark_varying", x, axis, (), tag, later=later)
 
 
 def reduce_scatter(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
