@@ -134,76 +134,47 @@ class _MatmulLog(TorchDispatchMode):
         return out
 
 
-def test_all_reduce_is_in_flight_while_weight_gradients_are_computed(monkeypatch):
-    x0, ws0, _ = _data((24, 16, 8), False)  # x: 32 rows of 64
+@pytest.mark.parametrize("gather_dim", [None, 1])
+def test_sum_is_in_flight_while_weight_gradients_are_computed(monkeypatch, gather_dim):
+    """The input gradient's all-reduce (or, for gathered token rows, its reduce-scatter on the
+    gathered dim) starts after the three input-gradient matmuls and is waited for after the
+    weight gradients."""
+    x0, ws0, _ = _data((24, 16, 8), False)  # x: 32 rows of 64 (each rank's, 64 once gathered)
     logs: dict = {0: [], 1: []}
+    method = "all_reduce_async" if gather_dim is None else "reduce_scatter_async"
 
-    class Spy(SimulatedBackend):
-        def all_reduce_async(self, x, axis, consume=False):
-            log = logs[current().rank]
-            log.append(("start", tuple(x.shape)))
-            done = super().all_reduce_async(x, axis, consume)
+    def spied(self, x, axis, *dims, consume=False):
+        log = logs[current().rank]
+        log.append(("start", dims))
+        done = getattr(SimulatedBackend, method)(self, x, axis, *dims, consume=consume)
 
-            class Logged(Pending):
-                def wait(self):
-                    log.append(("wait", None))
-                    return done.wait()
-            return Logged(None)
+        class Logged(Pending):
+            def wait(self):
+                log.append(("wait", None))
+                return done.wait()
+        return Logged(None)
 
-    monkeypatch.setattr(simulated, "SimulatedBackend", Spy)
+    monkeypatch.setattr(simulated, "SimulatedBackend", type("Spy", (SimulatedBackend,), {method: spied}))
 
     def rank(r):
         x = x0.clone().requires_grad_()
         ws = [w.clone().requires_grad_() for w in ws0]
-        ys = varying_linears(torch.nn.functional.layer_norm(x, (64,)), "tp", ws, (None,) * 3, tag=1)
+        ys = varying_linears(torch.nn.functional.layer_norm(x, (64,)), "tp", ws, (None,) * 3, tag=1,
+                             gather_dim=gather_dim)
         with _MatmulLog(logs[r]):
             sum(y.sum() for y in ys).backward()
 
     run_simulated(autoshard.Mesh({"tp": 2}), rank)
-    _assert_started_between_input_and_weight_gradients(logs, rows=32)
-
-
-def _assert_started_between_input_and_weight_gradients(logs, rows):
+    rows = 32 if gather_dim is None else 64
     for log in logs.values():
         kinds = [e[0] for e in log]
         assert kinds.count("start") == kinds.count("wait") == 1, log
         start, wait = kinds.index("start"), kinds.index("wait")
+        assert log[start][1] == (() if gather_dim is None else (gather_dim,)), log
         dx = [i for i, e in enumerate(log) if e == ("mm", (rows, 64))]
         dw = [i for i, e in enumerate(log) if e in (("mm", (24, 64)), ("mm", (16, 64)), ("mm", (8, 64)))]
         assert len(dx) == len(dw) == 3, log
         assert max(dx) < start < min(dw) and max(dw) < wait, log
-
-
-def test_reduce_scatter_is_in_flight_while_weight_gradients_are_computed(monkeypatch):
-    """The gathered form: the input gradient's reduce-scatter (on the gathered dim) starts
-    after the three input-gradient matmuls and is waited for after the weight gradients."""
-    x0, ws0, _ = _data((24, 16, 8), False)  # each rank: 32 token rows of 64, gathered to 64 rows
-    logs: dict = {0: [], 1: []}
-
-    class Spy(SimulatedBackend):
-        def reduce_scatter_async(self, x, axis, dim, consume=False):
-            log = logs[current().rank]
-            log.append(("start", dim))
-            done = super().reduce_scatter_async(x, axis, dim, consume)
-
-            class Logged(Pending):
-                def wait(self):
-                    log.append(("wait", None))
-                    return done.wait()
-            return Logged(None)
-
-    monkeypatch.setattr(simulated, "SimulatedBackend", Spy)
-
-    def rank(r):
-        x = x0.clone().requires_grad_()
-        ws = [w.clone().requires_grad_() for w in ws0]
-        ys = varying_linears(torch.nn.functional.layer_norm(x, (64,)), "tp", ws, (None,) * 3, tag=1, gather_dim=1)
-        with _MatmulLog(logs[r]):
-            sum(y.sum() for y in ys).backward()
-
-    run_simulated(autoshard.Mesh({"tp": 2}), rank)
-    assert all(("start", 1) in log for log in logs.values())
-    _assert_started_between_input_and_weight_gradients(logs, rows=64)
 
 
 # ---- the pass, on tensor-parallel programs --------------------------------------------------
