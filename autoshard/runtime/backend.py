@@ -39,6 +39,11 @@ class CollectiveError(RuntimeError):
     """A collective could not complete: mismatch between ranks, deadlock or timeout."""
 
 
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (so writing one may change the other)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def check_divisible(x: torch.Tensor, axis: str, dim: int, n: int, what: str) -> int:
     """Chunk size of ``x`` along ``dim`` split ``n`` ways; a clear ValueError if uneven."""
     size = x.shape[dim]

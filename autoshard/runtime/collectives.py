@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import param_sums, units
-from .backend import Pending, check_divisible
+from .backend import Pending, check_divisible, shares_memory
 from .context import CollectiveRecord, RankContext, activate, current, current_or_none
 from .pending_value import PendingValue
 
@@ -178,8 +178,7 @@ def _unpack_unit(ctx: RankContext, flat: torch.Tensor, shapes, dims, axis: str) 
     backend unless one of them is a view of it (a unit of one parameter)."""
     n = ctx.mesh.axis_size(axis)
     fulls = units.unpack_full(flat, shapes, dims, n)
-    ptr = flat.untyped_storage().data_ptr()
-    if n > 1 and all(f.untyped_storage().data_ptr() != ptr for f in fulls):
+    if n > 1 and not any(shares_memory(f, flat) for f in fulls):
         ctx.backend.recycle(flat)
     return fulls
 
@@ -245,7 +244,7 @@ class _Collective(torch.autograd.Function):
                                 consume=True).wait()
             if rctx.held:
                 _release_held(rctx, axis)
-            if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            if shares_memory(out, x):
                 fctx.mark_dirty(x)  # a tensor autograd saved would now fail in backward, not silently
                 return x
         else:
@@ -285,11 +284,8 @@ def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
             shape = list(grad.shape)
             shape[fctx.dims[0]] //= rctx.mesh.axis_size(fctx.axis)
             return grad.new_zeros(shape)
-        grad = _with_stashed(rctx, key, grad)
-        wide = reduce_dtype_for(rctx, grad)
-        if wide is not None:
-            return _run(rctx, primitive, grad.to(wide), fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag,
-                        "backward").to(grad.dtype)
+        return _run(rctx, primitive, _outgoing(fctx, grad), fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag,
+                    "backward").to(grad.dtype)
     return _run(rctx, primitive, grad, fctx.axis, fctx.dims[::-1], fctx.op, fctx.tag, "backward")
 
 
@@ -325,9 +321,7 @@ def start_gradient_sum(fctx, grad: torch.Tensor):
     if axis in rctx.defer_axes or rctx.mesh.axis_size(axis) == 1:
         out = _backward(fctx, grad)  # stashed for a later step, or a group of one: nothing in flight
         return lambda: out
-    grad = _with_stashed(rctx, (fctx.op, fctx.tag, axis), grad)
-    wide = reduce_dtype_for(rctx, grad)
-    sent = grad.to(wide) if wide is not None else grad
+    sent = _outgoing(fctx, grad)
     if primitive == "all_reduce":
         pending = _launch_all_reduce(rctx, sent, axis, fctx.op, fctx.tag, "backward", consume=True)
     else:
@@ -346,19 +340,21 @@ def _sum_later(fctx, grad: torch.Tensor) -> bool:
     if axis in rctx.defer_axes or rctx.mesh.axis_size(axis) == 1 \
             or not param_sums.lands_in_grad(fctx.leaf, fctx.next_functions[0][0]):
         return False
-    grad = _with_stashed(rctx, (fctx.op, fctx.tag, axis), grad.detach())
-    wide = reduce_dtype_for(rctx, grad)
     # not consumed: the incoming gradient may be shared with other consumers (as _run, a copy)
-    pending = _launch_all_reduce(rctx, grad.to(wide) if wide is not None else grad, axis, fctx.op, fctx.tag,
-                                 "backward")
+    pending = _launch_all_reduce(rctx, _outgoing(fctx, grad.detach()), axis, fctx.op, fctx.tag, "backward")
     param_sums.LANDING.add(fctx.leaf, pending, grad.dtype)
     return True
 
 
-def _with_stashed(rctx: RankContext, key, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` plus the sum of earlier microbatches' gradients stashed under ``key`` while
-    gradient accumulation deferred the collective (see ``_backward``), which is then sent once."""
-    return grad + rctx.deferred.pop(key) if key in rctx.deferred else grad
+def _outgoing(fctx, grad: torch.Tensor) -> torch.Tensor:
+    """What the backward sum of ``fctx.op`` sends for ``grad``: plus the sum of earlier
+    microbatches' gradients stashed under its key while gradient accumulation deferred the
+    collective (see ``_backward``), which is then sent once; in the reduce dtype of mixed
+    precision (the caller casts the result back to ``grad.dtype``)."""
+    rctx, key = fctx.rctx, (fctx.op, fctx.tag, fctx.axis)
+    grad = grad + rctx.deferred.pop(key) if key in rctx.deferred else grad
+    wide = reduce_dtype_for(rctx, grad)
+    return grad.to(wide) if wide is not None else grad
 
 
 def _launch_all_reduce(rctx: RankContext, x: torch.Tensor, axis: str, op: str, tag, phase: str,

@@ -35,7 +35,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits
+from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits, shares_memory
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
 _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,11 +95,7 @@ def _rank_blocks_first(x: torch.Tensor, dim: int, n: int) -> tuple:
     front and back again was two)."""
     x = x.detach()
     front = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
-    return front.flatten(0, 1) if dim else front, not _shares_memory(front, x)
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return front.flatten(0, 1) if dim else front, not shares_memory(front, x)
 
 
 def _merge_rank_blocks(out: torch.Tensor, dim: int, n: int) -> torch.Tensor:
