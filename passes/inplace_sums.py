@@ -25,6 +25,8 @@ from torch import fx
 
 from autoshard.runtime import collectives as C
 
+from .marks import mark
+
 aten = torch.ops.aten
 
 # Ops whose result is new memory that their own backward does not read (they save their inputs).
@@ -59,8 +61,5 @@ def consume_sum_inputs(graph: fx.Graph) -> list:
             continue
         if not _consumable(node.args[0]):
             continue
-        node.kwargs = {**node.kwargs, "consume": True}
-        if "autoshard" in node.meta:
-            node.meta["autoshard"]["why"] += IN_PLACE
-        marked.append(node.kwargs["tag"])
+        marked.append(mark(node, "consume", IN_PLACE))
     return marked

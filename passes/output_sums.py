@@ -29,6 +29,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.pending_value import replayable
 
 from .checkpoint import block_of
+from .marks import mark
 
 LAZY = "; returned before it arrives: reading the value waits for it, backward does not"
 
@@ -62,7 +63,5 @@ def defer_output_sums(graph: fx.Graph) -> list:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() != 0 or not _reaches_outputs_only(node):
             continue
-        node.kwargs = {**node.kwargs, "lazy": True}
-        node.meta["autoshard"]["why"] += LAZY
-        deferred.append(node.kwargs["tag"])
+        deferred.append(mark(node, "lazy", LAZY))
     return deferred

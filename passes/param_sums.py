@@ -24,6 +24,8 @@ from torch import fx
 
 from autoshard.runtime import collectives as C
 
+from .marks import mark
+
 LATER = "; backward starts it and goes on: the sum is added into the parameter's .grad when backward ends"
 
 
@@ -40,8 +42,5 @@ def sum_param_grads_later(graph: fx.Graph, params, skip=()) -> list:
         if not (isinstance(x, fx.Node) and x.op == "placeholder" and x.name in params and x.name not in skip
                 and len(x.users) == 1):
             continue
-        node.kwargs = {**node.kwargs, "later": True}
-        if "autoshard" in node.meta:
-            node.meta["autoshard"]["why"] += LATER
-        marked.append(node.kwargs["tag"])
+        marked.append(mark(node, "later", LATER))
     return marked
