@@ -205,14 +205,12 @@ class DistributedBackend(Backend):
         n = self.mesh.axis_size(axis)
         front = x.detach().contiguous()
         shape = (n * front.shape[0],) + front.shape[1:]
-        if dim != 0:
-            # the blocks arrive one after the other along dim 0 and are put side by side along
-            # dim once they are all here (a copy, or a view of the buffer: not recycled)
-            out = front.new_empty(shape)
-            work = _all_gather_1(out, front, group=self.groups[axis], async_op=True)
-            return Pending(out, work, finish=lambda rows: _merge_rank_blocks(rows, dim, n))
-        out = self.buffer(shape, front.dtype, front.device)
+        # on another dim the blocks arrive one after the other along dim 0 and are put side by
+        # side along dim once they are all here (a copy, or a view of the buffer: not recycled)
+        out = self.buffer(shape, front.dtype, front.device) if dim == 0 else front.new_empty(shape)
         work = _all_gather_1(out, front, group=self.groups[axis], async_op=True)
+        if dim != 0:
+            return Pending(out, work, finish=lambda rows: _merge_rank_blocks(rows, dim, n))
         return Pending(out, work, finish=self._recycling(front) if consume else None)
 
     def reduce_scatter_async(self, x, axis, dim, consume=False):
