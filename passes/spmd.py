@@ -323,6 +323,10 @@ class _Rewriter:
                     # ZeRO-2: read the full copy gathered after the last optimizer step.
                     node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
                                      extra_inputs=(self.full_copies[src.name],))
+                    if needs_grad and a not in varying:
+                        # Read by replicated work, the gradient comes back whole on every rank:
+                        # the reduce-scatter must add it once, not once per rank.
+                        node = self.emit(C.replicated_use, node, a, (), src, consumer, reason, R, t)
                 elif (isinstance(s, Shard) and isinstance(t, Replicate) and needs_grad
                       and self.soft_split(src, out, s.dim, a)):
                     # A soft-sharded activation is gathered once for all its readers: varying
@@ -438,8 +442,9 @@ class _Rewriter:
         if fn == "mark_varying":
             return f"replicated {name} feeds per-rank work on {axis} in {op}: backward sums its gradient"
         if fn == "replicated_use":
-            return (f"gathered {name} is also read whole by {op} on {axis}: rank 0 carries its gradient into the "
-                    f"gather's reduce-scatter")
+            kept = "kept whole (ZeRO-2)" if src.name in self.full_copies else "gathered"
+            return (f"{kept} {name} is also read whole by {op} on {axis}: rank 0 carries its gradient into the "
+                    f"reduce-scatter, which would otherwise add that whole gradient once per rank")
         st = self.storage.get(src.name)
         if st is not None and axis == st.axis and fn in ("all_gather", "all_gather_varying", "use_persistent"):
             when = {"use_persistent": "kept whole since the last optimizer step",
