@@ -112,6 +112,9 @@ class Plan:
         for c in self.program.collectives:
             if c.phase != "forward" or c.kind != "all_gather" or c.op != "all_gather":
                 continue
+            st = self.program.storage.get(c.node)
+            if st is not None and (st.axis,) == c.axes:  # a ZeRO-3 shard gathered for replicated work
+                continue
             dim = "?"
             node, place = nodes.get(c.node), self.program.placements.get(c.node)
             if node is not None and place is not None and node in self.info.dims:

@@ -114,6 +114,16 @@ def test_dp_and_megatron_plans_are_exact_with_textbook_collectives(name, built):
     assert not [c.why for c in dp.collectives + tp.collectives if "dropout needs" in c.why]
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5"])
+def test_sharded_state_sums_position_tables_once(name, zero_stage, built):
+    """Position tables (GPT-2's wpe, BERT's position embeddings, T5's relative attention bias)
+    are read by replicated work: under ZeRO-2 their gradients once came out twice too large."""
+    model, kwargs, loss, logits, grads = built(name)
+    plan = plan_for(name, model, kwargs, {"batch": "dp"}, {"dp": 2}, train=True, zero_stage=zero_stage)
+    assert_exact(plan, kwargs, loss, logits, grads)
+
+
 def test_one_name_on_two_dims_of_different_sizes_is_an_error(built):
     """Qwen3's q_norm/k_norm (head_dim 8) match the glob "*norm.weight" meant for hidden (32)."""
     model, kwargs, *_ = built("qwen3")
