@@ -14,6 +14,11 @@ axis (never returned, never read by another kind of conversion), and every gradi
 input of its work is in the region too (so no per-rank or already-summed value feeds it). A
 region is taken whole or not at all.
 
+Without buckets (ZeRO-2/3 shard the parameters on the data axis) the same move sends the sum to
+the parameters' own reduce-scatters: a ZeRO-3 shard gathered for the region becomes an
+``all_gather_varying`` (its backward reduce-scatters the per-rank shares; in a unit with the
+others), a ZeRO-2 full copy loses its ``replicated_use`` (:func:`sum_regions_in_storage`).
+
 Example::
 
     region = bucketable_region(graph, rg, place, uses, axis_ix=0, candidates={"p_pos"})
@@ -21,9 +26,12 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
+
 from torch import fx
 
 from autoshard.ownership import Replicate
+from autoshard.runtime import collectives as C
 
 from .rules import GETITEM
 
@@ -41,12 +49,23 @@ def use_kind(cur, target, varying: bool):
     return OTHER
 
 
-def bucketable_region(graph: fx.Graph, rg: set, place: dict, uses: dict, axis_ix: int, candidates) -> set:
+def stored_use_kind(target, varying: bool):
+    """The kind of one read of a parameter stored sharded on the data axis (ZeRO-2/3), from the
+    reader's target placement there: read whole, it is gathered (or its full copy read), and its
+    gradient comes back as a per-rank share (MV) or whole (REP), as for a replicated value."""
+    if isinstance(target, Replicate):
+        return MV if varying else REP
+    return OTHER
+
+
+def bucketable_region(graph: fx.Graph, rg: set, place: dict, uses: dict, axis_ix: int, candidates,
+                      stored=()) -> set:
     """Names of the nodes (parameters and replicated values) of every region whose data-axis
     gradient sum can move into the buckets. ``rg``: nodes carrying gradients; ``place``: node ->
     placements per output; ``uses``: node -> [(reader, kind)] for each conversion the rewrite
-    made of it; ``candidates``: parameter names the buckets may take."""
-    candidates = set(candidates)
+    made of it; ``candidates``: parameter names the buckets may take; ``stored``: those of them
+    stored sharded on the axis (read whole all the same)."""
+    candidates, stored = set(candidates), set(stored)
 
     def replicated(n):
         return n in place and all(p is None or isinstance(p[axis_ix], Replicate) for p in place[n])
@@ -57,7 +76,7 @@ def bucketable_region(graph: fx.Graph, rg: set, place: dict, uses: dict, axis_ix
     # rep: replicated work whose gradient-carrying inputs are all such work or parameters
     rep = set()
     for n in graph.nodes:
-        if n not in rg or not replicated(n):
+        if n not in rg or not (replicated(n) or n.name in stored):
             continue
         if n.op == "placeholder":
             ok = n.name in candidates
@@ -110,4 +129,52 @@ def bucketable_region(graph: fx.Graph, rg: set, place: dict, uses: dict, axis_ix
         summed = any(k == MV for n in group for _, k in uses.get(n, ()))
         if summed and all(n in eligible for n in group):
             out |= {n.name for n in group}
+    return out
+
+
+REGION_SUM = ("; the replicated work reading it sends back per-rank gradient shares (the sum where its result "
+              "meets per-rank work is dropped), which the reduce-scatter adds")
+
+
+def sum_regions_in_storage(graph: fx.Graph, program_graph, rg: set, place: dict, uses: dict, axis: str, axes,
+                           storage: dict, stored_reads: dict, marks: dict, collectives: list) -> list:
+    """Move the data-axis gradient sum of every replicated region computed from parameters
+    stored sharded on ``axis`` (ZeRO-2/3) into those parameters' reduce-scatters: drop the
+    region's ``mark_varying`` nodes; turn each read of a stored parameter by the region
+    (``stored_reads``: a ZeRO-3 ``all_gather``, a ZeRO-2 ``replicated_use``) into one whose
+    backward takes the per-rank share. Edits ``program_graph``; returns the collectives updated.
+
+    Example::
+
+        collectives = sum_regions_in_storage(g0, g, rg, place, uses, "dp", ("dp",), storage,
+                                             stored_reads, marks, collectives)   # ZeRO-3: p_pos joins a unit
+    """
+    stored = {n for n, st in storage.items() if st.axis == axis}
+    region = bucketable_region(graph, rg, place, uses, list(axes).index(axis), stored, stored=stored)
+    dropped, kept_whole, gathered = set(), set(), {}  # tags; gathered: tag -> bytes gathered
+    for name in region:
+        for mv in marks.get(name, ()):
+            dropped.add(mv.meta["autoshard"]["tag"])
+            mv.replace_all_uses_with(mv.args[0])
+            program_graph.erase_node(mv)
+        for read in stored_reads.get(name, ()) if name in stored else ():
+            if read.target is C.replicated_use:
+                kept_whole.add(read.args[0].meta["autoshard"]["tag"])  # the use_persistent before it
+                read.replace_all_uses_with(read.args[0])
+                program_graph.erase_node(read)
+            else:
+                read.target = C.all_gather_varying
+                read.meta["autoshard"]["why"] += REGION_SUM
+                val = read.meta["val"]
+                gathered[read.meta["autoshard"]["tag"]] = val.numel() * val.element_size()
+    out = []
+    for c in collectives:
+        if c.tag in dropped:
+            continue
+        if c.tag in gathered:
+            c = dataclasses.replace(c, op="all_gather_varying", why=c.why + REGION_SUM)
+            out += [c, dataclasses.replace(c, kind="reduce_scatter", phase="backward", why="adjoint: " + c.why,
+                                           bytes=gathered[c.tag])]
+            continue
+        out.append(dataclasses.replace(c, why=c.why + REGION_SUM) if c.tag in kept_whole else c)
     return out

@@ -41,7 +41,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
-from .grad_regions import bucketable_region, use_kind
+from .grad_regions import bucketable_region, stored_use_kind, sum_regions_in_storage, use_kind
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, aliases_read_later, get_path,
                     is_inplace, is_tensor_node, shape_of)
@@ -202,7 +202,7 @@ class _CollectivesOnly:
 class _Rewriter:
     def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
                  storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
-                 collectives_only: bool = False):
+                 collectives_only: bool = False, region_axis=None):
         # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
         # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
@@ -215,8 +215,13 @@ class _Rewriter:
         # the data axis lose their mark_varying there; GradBuckets sums their gradients instead.
         self.bucket_axis = bucket_axis
         self.bucket_uses: dict = {name: set() for name in (bucket_candidates or ())}
+        # Replicated regions computed from parameters (passes/grad_regions.py) send their
+        # gradient sum on this data axis to the parameters: into the buckets, or into the
+        # reduce-scatters of sharded state (ZeRO-2/3) when there are no buckets.
+        self.region_axis = bucket_axis if bucket_axis is not None else region_axis
         self.bucket_marks: dict = {}  # value name -> its mark_varying nodes on that axis
         self.grad_uses: dict = {}  # gradient-carrying node -> [(reader, kind on that axis)] (grad_regions)
+        self.stored_reads: dict = {}  # stored parameter -> the nodes of its reads by replicated work
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -290,9 +295,12 @@ class _Rewriter:
         varying = frozenset(varying) if needs_grad else frozenset()
         if src.name in self.bucket_uses:
             self.bucket_uses[src.name].add(self.bucket_axis in varying)
-        if needs_grad and self.bucket_axis is not None:
-            i = self.axes.index(self.bucket_axis)
-            self.grad_uses.setdefault(src, []).append((consumer, use_kind(cur[i], target[i], self.bucket_axis in varying)))
+        if needs_grad and self.region_axis is not None:
+            i, a = self.axes.index(self.region_axis), self.region_axis
+            st = self.storage.get(src.name)
+            kind = (stored_use_kind(target[i], a in varying) if st is not None and st.axis == a
+                    else use_kind(cur[i], target[i], a in varying))
+            self.grad_uses.setdefault(src, []).append((consumer, kind))
         key = (src, out, target, varying)
         if key in self.cache:
             return self.cache[key]
@@ -327,6 +335,7 @@ class _Rewriter:
                         # Read by replicated work, the gradient comes back whole on every rank:
                         # the reduce-scatter must add it once, not once per rank.
                         node = self.emit(C.replicated_use, node, a, (), src, consumer, reason, R, t)
+                        self.stored_reads.setdefault(src.name, []).append(node)
                 elif (isinstance(s, Shard) and isinstance(t, Replicate) and needs_grad
                       and self.soft_split(src, out, s.dim, a)):
                     # A soft-sharded activation is gathered once for all its readers: varying
@@ -343,8 +352,10 @@ class _Rewriter:
                     self.check_nesting(state, a, s.dim, src, consumer)
                     fn = C.all_gather_varying if a in varying and isinstance(t, Replicate) else C.all_gather
                     node = self.emit(fn, node, a, (s.dim,), src, consumer, reason, s, t)
-                    node = self.reorder(node, src, out, a, s.dim, True)
                     st = self.storage.get(src.name)
+                    if fn is C.all_gather and needs_grad and st is not None and a == st.axis:
+                        self.stored_reads.setdefault(src.name, []).append(node)
+                    node = self.reorder(node, src, out, a, s.dim, True)
                     if st is not None and st.reshard and a == st.axis:
                         self.reshard_tags.add(node.meta["autoshard"]["tag"])
                     if isinstance(t, Partial):
@@ -419,7 +430,7 @@ class _Rewriter:
         if val is not None:
             new.meta["val"] = self.converted_val(val, fn.__name__, axis, extra)
         new.meta["autoshard"] = {"where": module_of(consumer), "why": reason, "tag": tag, "grad": src in self.rg}
-        if fn is C.mark_varying and axis == self.bucket_axis:
+        if fn is C.mark_varying and axis == self.region_axis:
             self.bucket_marks.setdefault(src.name, []).append(new)
         fwd, bwd = C.ADJOINTS[fn.__name__]
         where, line = module_of(consumer), source_line(consumer)
@@ -523,6 +534,10 @@ class _Rewriter:
             else:
                 raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
         bucketed = self.take_bucketed()
+        if self.bucket_axis is None and self.region_axis is not None and self.stored_reads:
+            self.collectives = sum_regions_in_storage(
+                self.g0, self.g, self.rg, self.place, self.grad_uses, self.region_axis, self.axes, self.storage,
+                self.stored_reads, self.bucket_marks, self.collectives)
         # (inside lazy_programs() the Python code is generated only if the program is run or printed)
         gm = None if isinstance(self.g, _CollectivesOnly) else _make_graph_module(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
@@ -900,16 +915,18 @@ def lazy_programs():
 
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
             storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
-            collectives_only: bool = False) -> Program:
+            collectives_only: bool = False, region_axis=None) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
     ``bucket_candidates``: parameters whose ``bucket_axis`` gradient sync may be bucketed;
     ``regions``: {node: visitor} for nodes another pass writes (``passes.experts.lowerings``);
     ``fixed``: placements of inputs decided by such a pass. ``collectives_only``: the program's
-    collectives and placements without its graph (``graph_module`` None; no gradient buckets)."""
-    if collectives_only and bucket_axis is not None:
+    collectives and placements without its graph (``graph_module`` None; no gradient buckets).
+    ``region_axis``: the data axis on which, without buckets, the gradient sums of replicated
+    regions computed from sharded state move into its reduce-scatters (``grad_regions``)."""
+    if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = requires_grad_nodes(graph, grad_inputs)
     return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
-                     bucket_candidates, regions, fixed, collectives_only).run()
+                     bucket_candidates, regions, fixed, collectives_only, region_axis).run()

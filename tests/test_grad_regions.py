@@ -113,13 +113,20 @@ def test_sharded_state_counts_a_replicated_read_once(zero_stage, aux):
     """Sharded parameters read by replicated work (the position table at ``arange(seq)``, the
     scale in that product): their gradient is summed once over the data axis. Under ZeRO-2 the
     persistent full copy is reduce-scattered in backward; a whole gradient entering it from
-    every rank was once added twice (the losses of steps 2 and 3 were off by 2e-4)."""
+    every rank was once added twice (the losses of steps 2 and 3 were off by 2e-4). Where every
+    gradient reaching the region is a per-rank share, its sum moves into the reduce-scatters
+    (ZeRO-3: the position table joins a unit), and no synchronous sum is left; where one comes
+    in whole (``aux``), the region keeps its sum and rank 0 alone carries the whole gradient."""
     model = PosModel(aux=aux)
     plan = plan_for(model, batch(), zero_stage=zero_stage)
+    code = plan.graph_module.code
+    assert bool(syncs_on_dp(plan)) == aux
     if zero_stage == 2:
-        reads = [c for c in plan.collectives if c.op == "replicated_use"]
-        assert reads == []  # no communication of its own: it zeroes the copies of ranks > 0
-        assert plan.graph_module.code.count("replicated_use(") == 2  # pos.weight and scale
+        assert [c for c in plan.collectives if c.op == "replicated_use"] == []  # it zeroes, sends nothing
+        assert code.count("replicated_use(") == (2 if aux else 0)  # pos.weight and scale
+    if zero_stage == 3 and not aux:
+        assert "all_gather(" not in code  # every shard gathered as a per-rank share, in units
+        assert any("pos.weight" in c.params for c in plan.collectives if c.op == "gather_unit")
     train_matches_single_device(plan, model)
 
 

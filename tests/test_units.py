@@ -144,8 +144,10 @@ def test_backward_prefetch_looks_past_a_small_unit():
 
 
 class _Embedded(torch.nn.Module):
-    """Token and position embeddings (the position table is gathered for replicated use, by a
-    plain all_gather between the units), then two blocks and a head."""
+    """Token and position embeddings, then two blocks and a head, plus a penalty on the position
+    table: its gradient comes in whole there, so the table stays out of the units (gathered for
+    replicated use by a plain all_gather between them, its rows' gradient summed where they meet
+    the tokens', passes/grad_regions.py)."""
 
     def __init__(self, vocab=16, seq=8, dim=8):
         super().__init__()
@@ -158,7 +160,8 @@ class _Embedded(torch.nn.Module):
         h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
         for layer in self.layers:
             h = h + torch.tanh(layer(h))
-        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+        loss = torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+        return loss + 1e-2 * self.pos.weight.pow(2).mean()
 
 
 def test_unit_collectives_do_not_hold_up_the_plain_ones_between_units():
