@@ -53,6 +53,7 @@ class _VaryingLinears(torch.autograd.Function):
         fctx.set_materialize_grads(False)  # an output nobody reads gets no backward, as a plain linear
         weights, biases = params[:n], params[n:]
         needs = fctx.needs_input_grad
+        param_needs = needs[len(needs) - len(params):]  # the parameters are the trailing arguments
         if gather_dim is not None:
             # all_gather_varying's forward (a new tensor: nothing else can write into it)
             h = run_forward(fctx.op, x, axis, fctx.dims, tag)
@@ -66,8 +67,8 @@ class _VaryingLinears(torch.autograd.Function):
 
         with torch.enable_grad():
             xd = leaf(h, needs[0])
-            wd = [leaf(w, need) for w, need in zip(weights, needs[6:6 + n])]
-            bd = [leaf(b, need) for b, need in zip(biases, needs[6 + n:])]
+            wd = [leaf(w, need) for w, need in zip(weights, param_needs[:n])]
+            bd = [leaf(b, need) for b, need in zip(biases, param_needs[n:])]
             ys = [_linear(xd, w, b) for w, b in zip(wd, bd)]
         fctx.x_leaf = xd
         fctx.param_leaves = [t for t in wd + bd if t is not None and t.requires_grad]
@@ -79,7 +80,7 @@ class _VaryingLinears(torch.autograd.Function):
     @staticmethod
     def backward(fctx, *grads):
         pairs = [(e, g) for e, g in zip(fctx.edges, grads) if g is not None]
-        none = (None,) * 6
+        none = (None,) * (len(fctx.needs_input_grad) - len(fctx.slots))  # x and the options
         if not pairs:
             return none + (None,) * len(fctx.slots)
         edges, gs = [e for e, _ in pairs], [g for _, g in pairs]
