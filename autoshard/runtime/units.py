@@ -21,10 +21,6 @@ import math
 import torch
 
 
-def _empty(shape, dtype, device):
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def pack_shards(shards, empty=None) -> torch.Tensor:
     """This rank's blocks, flattened and concatenated: the all-gather input, in a tensor from
     ``empty(shape, dtype, device)`` if given (a backend's :meth:`buffer`)."""
@@ -59,7 +55,8 @@ def pack_grads(grads, dims, n: int, dtype=None, empty=None) -> torch.Tensor:
     Each gradient is copied once, straight into its columns (a cast, if any, happens in the
     same copy)."""
     sizes = [g.numel() // n for g in grads]
-    flat = (empty or _empty)((n, sum(sizes)), dtype or grads[0].dtype, grads[0].device)
+    shape, dtype, device = (n, sum(sizes)), dtype or grads[0].dtype, grads[0].device
+    flat = torch.empty(shape, dtype=dtype, device=device) if empty is None else empty(shape, dtype, device)
     off = 0
     for g, d, k in zip(grads, dims, sizes):
         block = g.unflatten(d, (n, g.shape[d] // n)).movedim(d, 0)  # [n, ...block] (a view)
