@@ -107,9 +107,10 @@ def test_region_with_a_whole_gradient_keeps_its_sum():
     train_matches_single_device(plan, model)
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 @pytest.mark.parametrize("aux", [False, True], ids=["shares", "whole"])
-def test_sharded_state_counts_a_replicated_read_once(zero_stage, aux):
+def test_sharded_state_counts_a_replicated_read_once(zero_stage, aux, microbatches):
     """Sharded parameters read by replicated work (the position table at ``arange(seq)``, the
     scale in that product): their gradient is summed once over the data axis. Under ZeRO-2 the
     persistent full copy is reduce-scattered in backward; a whole gradient entering it from
@@ -118,7 +119,8 @@ def test_sharded_state_counts_a_replicated_read_once(zero_stage, aux):
     (ZeRO-3: the position table joins a unit), and no synchronous sum is left; where one comes
     in whole (``aux``), the region keeps its sum and rank 0 alone carries the whole gradient."""
     model = PosModel(aux=aux)
-    plan = plan_for(model, batch(), zero_stage=zero_stage)
+    ids, labels = batch()
+    plan = plan_for(model, (ids[::microbatches], labels[::microbatches]), zero_stage=zero_stage)
     code = plan.graph_module.code
     assert bool(syncs_on_dp(plan)) == aux
     if zero_stage == 2:
@@ -127,7 +129,7 @@ def test_sharded_state_counts_a_replicated_read_once(zero_stage, aux):
     if zero_stage == 3 and not aux:
         assert "all_gather(" not in code  # every shard gathered as a per-rank share, in units
         assert any("pos.weight" in c.params for c in plan.collectives if c.op == "gather_unit")
-    train_matches_single_device(plan, model)
+    train_matches_single_device(plan, model, microbatches=microbatches)
 
 
 def test_token_count_is_summed_before_the_model_runs():
