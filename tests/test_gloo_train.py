@@ -31,6 +31,8 @@ CONFIGS = {"zero3": dict(zero_stage=3, reshard_after_forward=True),
 def make_plan(config):
     if config == "embedded":
         return embedded_plan()
+    if config.startswith("positions"):
+        return positions_plan(int(config[-1]))
     model, args, dims = llama_tiny(with_labels=True)
     options = dict(CONFIGS[config])
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "tp": 2}), dims=dims,
@@ -96,6 +98,25 @@ def test_units_started_after_plain_collectives_on_gloo_equal_simulation():
     plan, args = embedded_plan()
     code = plan.program.graph_module.code
     assert "start_gather_unit" in code and "hold = True" in code
+    assert_equals_simulation(results, plan, args)
+
+
+def positions_plan(zero_stage):
+    # a position table at arange and a scale read by it and by the tokens: a replicated region
+    # whose gradient sum goes into the sharded state's reduce-scatters (grad_regions)
+    from test_grad_regions import DIMS, PosModel, batch
+    torch.manual_seed(0)
+    model = PosModel()
+    plan = autoshard.autoshard(model, batch(), mesh=autoshard.Mesh({"dp": 2}), dims=DIMS, layout={"batch": "dp"},
+                               train=True, search=False, zero_stage=zero_stage)
+    return plan, batch()
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_region_sums_in_sharded_state_on_gloo_equal_simulation(zero_stage):
+    results = spawn(train_worker, 2, f"positions{zero_stage}", timeout=120)
+    plan, args = positions_plan(zero_stage)
+    assert not [c for c in plan.collectives if c.op == "mark_varying"]
     assert_equals_simulation(results, plan, args)
 
 
