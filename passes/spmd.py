@@ -306,6 +306,11 @@ class _Rewriter:
             return self.cache[key]
         # Gathers and reductions first, innermost axis first; then slices, outermost first.
         order = list(reversed(range(len(self.axes)))) + list(range(len(self.axes)))
+        if src.name in self.full_copies:
+            # ZeRO-2's full copy is held in the use placement (other axes' shards kept): read it
+            # first, then gather the other axes from it, not from the stored piece.
+            order.remove(self.axes.index(self.storage[src.name].axis))
+            order.insert(0, self.axes.index(self.storage[src.name].axis))
         state = list(cur)
         for phase_ix, i in enumerate(order):
             gathering = phase_ix < len(self.axes)
@@ -327,7 +332,8 @@ class _Rewriter:
                     node = self.reorder(node, src, out, a, t.dim, False)
                     node = self.emit(C.all_to_all, node, a, (t.dim, s.dim), src, consumer, reason, s, t)
                     node = self.reorder(node, src, out, a, s.dim, True)
-                elif isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate):
+                elif (isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate)
+                      and a == self.storage[src.name].axis):
                     # ZeRO-2: read the full copy gathered after the last optimizer step.
                     node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
                                      extra_inputs=(self.full_copies[src.name],))
