@@ -248,6 +248,25 @@ def test_allgather_variant_exact_and_zero_training():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+def test_gradient_accumulation_sends_kv_gradients_in_each_microbatch(variant):
+    """Two microbatches a step: the all-gather variant's K/V gradient reduce-scatter carries an
+    activation's gradient, which the rest of that microbatch's backward reads. Gradient
+    accumulation once held it for the last microbatch like a parameter's sum (the first
+    microbatch's K/V got no gradient, the last one both): losses off from the second step."""
+    model, args, dims = llama_tiny(with_labels=True, seq=16)
+    halves = [tuple(None if a is None else a[i::2].contiguous() for a in args) for i in range(2)]
+    plan = _plan(model, halves[0], dims, {"cp": 2}, {"seq": "cp"}, context={"variant": variant})
+    assert {a.variant for a in plan.program.context.attention} == {variant}
+    steps = [halves, halves[::-1], halves]
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
+    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_ring_zero1_training_matches():
     model, args, dims = llama_tiny(with_labels=True, seq=16)
     plan = _plan(model, args, dims, {"dp": 2, "cp": 2}, {"seq": "cp", "batch": "dp"}, zero_stage=1,
