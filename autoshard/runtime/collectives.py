@@ -446,21 +446,24 @@ def start_all_reduce(x: torch.Tensor, axis: str, tag: int) -> None:
                                                          "all_reduce", tag, "forward")
 
 
-def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None, later: bool = False) -> torch.Tensor:
+def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None, later: bool = False,
+                 defer: bool = True) -> torch.Tensor:
     """Replicate consumed by varying work: identity forward; backward sums grads over ``axis``.
 
     Megatron's f / JAX's pbroadcast; on a data axis, this backward all-reduce is the DDP sync.
 
     ``later=True``, for a parameter leaf the program reads nowhere else: backward starts the
     sum without waiting and it is added into ``x.grad`` when backward ends (the same values;
-    :mod:`~autoshard.runtime.param_sums`, placed by ``passes/param_sums.py``).
+    :mod:`~autoshard.runtime.param_sums`, placed by ``passes/param_sums.py``). ``defer=False``:
+    ``x`` is computed from the batch, so gradient accumulation sends its sum in every
+    microbatch (as :func:`all_gather_varying`'s).
 
     Example::
 
         h = mark_varying(x, "tp") @ w_col_shard.T
         w = mark_varying(norm_weight, "tp", later=True)   # norm_weight.grad summed after backward
     """
-    return _apply("mark_varying", x, axis, (), tag, later=later)
+    return _apply("mark_varying", x, axis, (), tag, later=later, defer=defer)
 
 
 def reduce_scatter(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
