@@ -99,8 +99,8 @@ def overlap_linear_sums(graph: fx.Graph) -> list:
     order = {n: k for k, n in enumerate(graph.nodes)}  # new nodes are never looked up: theirs do not matter
     for mv in list(graph.nodes):
         gather_dim = _gather_dim(mv) if mv.op == "call_function" else False
-        if gather_dim is False or mv.kwargs.get("tag") is None:
-            continue
+        if gather_dim is False or mv.kwargs.get("tag") is None or mv.kwargs.get("defer") is False:
+            continue  # (a batch value's sum on a data axis: the fused call would defer it)
         group = _group(mv, order)
         if group is None:
             continue

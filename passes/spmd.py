@@ -202,7 +202,8 @@ class _CollectivesOnly:
 class _Rewriter:
     def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
                  storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
-                 collectives_only: bool = False, region_axis=None):
+                 collectives_only: bool = False, region_axis=None,
+                 user_inputs=()):
         # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
         # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
@@ -225,6 +226,11 @@ class _Rewriter:
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
+        # Values computed from a user input (the batch): their gradient differs per microbatch,
+        # so a data-axis sum of it may not be held for a later microbatch (LocalModule.no_sync).
+        self.user_inputs = set(user_inputs)
+        self.from_user = depends_on(graph, self.user_inputs)
+        self.data_axes: set = set()  # axes that split a user input, filled as placeholders are placed
         self.g = _CollectivesOnly() if collectives_only else fx.Graph()
         self.local: dict = {}  # node -> new node
         self.place: dict = {}  # node -> list of placements per output
@@ -306,6 +312,11 @@ class _Rewriter:
             return self.cache[key]
         # Gathers and reductions first, innermost axis first; then slices, outermost first.
         order = list(reversed(range(len(self.axes)))) + list(range(len(self.axes)))
+        if src.name in self.full_copies:
+            # ZeRO-2's full copy is held in the use placement (other axes' shards kept): read it
+            # first, then gather the other axes from it, not from the stored piece.
+            order.remove(self.axes.index(self.storage[src.name].axis))
+            order.insert(0, self.axes.index(self.storage[src.name].axis))
         state = list(cur)
         for phase_ix, i in enumerate(order):
             gathering = phase_ix < len(self.axes)
@@ -327,7 +338,8 @@ class _Rewriter:
                     node = self.reorder(node, src, out, a, t.dim, False)
                     node = self.emit(C.all_to_all, node, a, (t.dim, s.dim), src, consumer, reason, s, t)
                     node = self.reorder(node, src, out, a, s.dim, True)
-                elif isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate):
+                elif (isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate)
+                      and a == self.storage[src.name].axis):
                     # ZeRO-2: read the full copy gathered after the last optimizer step.
                     node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
                                      extra_inputs=(self.full_copies[src.name],))
@@ -344,14 +356,15 @@ class _Rewriter:
                     self.check_nesting(state, a, s.dim, src, consumer)
                     if (node, a) not in self.soft_gathers:
                         self.soft_gathers[(node, a)] = self.emit(C.all_gather_varying, node, a, (s.dim,), src,
-                                                                 consumer, reason, s, t)
+                                                                 consumer, reason, s, t, kwargs=self.undeferred(src, a))
                     node = self.soft_gathers[(node, a)]
                     if a not in varying:
                         node = self.emit(C.replicated_use, node, a, (), src, consumer, reason, R, t)
                 elif isinstance(s, Shard) and not isinstance(t, Shard):
                     self.check_nesting(state, a, s.dim, src, consumer)
                     fn = C.all_gather_varying if a in varying and isinstance(t, Replicate) else C.all_gather
-                    node = self.emit(fn, node, a, (s.dim,), src, consumer, reason, s, t)
+                    node = self.emit(fn, node, a, (s.dim,), src, consumer, reason, s, t,
+                                     kwargs=self.undeferred(src, a) if fn is C.all_gather_varying else None)
                     st = self.storage.get(src.name)
                     if fn is C.all_gather and needs_grad and st is not None and a == st.axis:
                         self.stored_reads.setdefault(src.name, []).append(node)
@@ -376,7 +389,8 @@ class _Rewriter:
             if a in varying and isinstance(target[i], Replicate):
                 already = isinstance(cur[i], Shard)  # all_gather_varying did it
                 if not already:
-                    node = self.emit(C.mark_varying, node, a, (), src, consumer, reason, R, R)
+                    node = self.emit(C.mark_varying, node, a, (), src, consumer, reason, R, R,
+                                     kwargs=self.undeferred(src, a))
         self.cache[key] = node
         return node
 
@@ -417,12 +431,17 @@ class _Rewriter:
                 f"would reorder blocks (needed by {self.where(consumer)}); list the mesh axes of a dim in "
                 f"mesh order {list(self.axes)} and keep them together")
 
-    def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=()):
+    def undeferred(self, src, axis):
+        """``defer=False`` for a gradient sum on a data axis of a value computed from the batch:
+        gradient accumulation must send it in its own microbatch (see ``runtime.collectives``)."""
+        return {"defer": False} if axis in self.data_axes and src in self.from_user else None
+
+    def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=(), kwargs=None):
         if callable(reason):
             reason = reason()
         tag = self.tag
         self.tag += 1
-        new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag})
+        new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag, **(kwargs or {})})
         val = self.local_val(node)
         nbytes = 0
         if val is not None:
@@ -504,6 +523,8 @@ class _Rewriter:
                     st = self.storage.get(node.name)
                     use_places[node.name] = self.fixed.get(node.name) or self.desired(node)
                     self.place[node] = [st.placement if st else use_places[node.name]]
+                    if node.name in self.user_inputs:
+                        self.data_axes |= {a for o, a in zip(self.place[node][0], self.axes) if isinstance(o, Shard)}
                     new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
                     if st is not None and st.mode == "persistent":
                         full = self.g.placeholder(node.name + "_full")
@@ -880,6 +901,15 @@ SIZE_ARG = {aten.expand.default: 1}
 COMM_KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
 
 
+def depends_on(graph: fx.Graph, names: set) -> set:
+    """Nodes computed from the placeholders named in ``names`` (those included)."""
+    out = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name in names) or any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
 def requires_grad_nodes(graph: fx.Graph, grad_inputs: set) -> set:
     """Values that depend on a gradient-requiring input through float ops."""
     out = set()
@@ -915,7 +945,8 @@ def lazy_programs():
 
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
             storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
-            collectives_only: bool = False, region_axis=None) -> Program:
+            collectives_only: bool = False, region_axis=None,
+            user_inputs=()) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
@@ -924,9 +955,11 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     ``fixed``: placements of inputs decided by such a pass. ``collectives_only``: the program's
     collectives and placements without its graph (``graph_module`` None; no gradient buckets).
     ``region_axis``: the data axis on which, without buckets, the gradient sums of replicated
-    regions computed from sharded state move into its reduce-scatters (``grad_regions``)."""
+    regions computed from sharded state move into its reduce-scatters (``grad_regions``).
+    ``user_inputs``: placeholder names of the model's own inputs (the batch), whose dependent
+    values' data-axis gradient sums are not deferred under gradient accumulation."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = requires_grad_nodes(graph, grad_inputs)
     return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
-                     bucket_candidates, regions, fixed, collectives_only, region_axis).run()
+                     bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs).run()

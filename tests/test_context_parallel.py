@@ -248,6 +248,63 @@ def test_allgather_variant_exact_and_zero_training():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+def test_gradient_accumulation_sends_kv_gradients_in_each_microbatch(variant):
+    """Two microbatches a step: the all-gather variant's K/V gradient reduce-scatter carries an
+    activation's gradient, which the rest of that microbatch's backward reads. Gradient
+    accumulation once held it for the last microbatch like a parameter's sum (the first
+    microbatch's K/V got no gradient, the last one both): losses off from the second step."""
+    model, args, dims = llama_tiny(with_labels=True, seq=16)
+    halves = [tuple(None if a is None else a[i::2].contiguous() for a in args) for i in range(2)]
+    plan = _plan(model, halves[0], dims, {"cp": 2}, {"seq": "cp"}, context={"variant": variant})
+    assert {a.variant for a in plan.program.context.attention} == {variant}
+    steps = [halves, halves[::-1], halves]
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
+    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class StyledTokens(nn.Module):
+    """Token embeddings plus a per-sequence style embedding: the style vector has no sequence
+    dim, so it is whole on cp, computed from the batch, and read by the sequence-split work."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.style, self.out = nn.Embedding(16, 8), nn.Embedding(4, 8), nn.Linear(8, 16)
+
+    def forward(self, ids, style, labels):
+        h = torch.tanh(self.emb(ids) + self.style(style)[:, None, :])
+        return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten())
+
+
+def test_gradient_accumulation_sums_a_batch_value_in_each_microbatch():
+    """The style vector's gradient is summed over cp where it is read (a mark_varying on a data
+    axis of a value computed from the batch). Gradient accumulation once held that sum for the
+    last microbatch, whose style ids then received the first one's gradient too."""
+    torch.manual_seed(0)
+    model = StyledTokens()
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(3):
+        batch = (torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 4, (4,), generator=g),
+                 torch.randint(0, 16, (4, 8), generator=g))
+        steps.append([tuple(t[i::2].contiguous() for t in batch) for i in range(2)])
+    dims = {"ids": "batch seq", "style": "batch", "labels": "batch seq"}
+    plan = _plan(model, steps[0][0], dims, {"dp": 2, "cp": 2}, {"batch": "dp", "seq": "cp"})
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
+    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # the style vector's sum on cp is sent in each microbatch; the parameters' sums still wait
+    undeferred = [n.args[0].name for n in plan.graph_module.graph.nodes if n.kwargs.get("defer") is False]
+    assert undeferred == ["unsqueeze_default"], undeferred
+
+
 def test_ring_zero1_training_matches():
     model, args, dims = llama_tiny(with_labels=True, seq=16)
     plan = _plan(model, args, dims, {"dp": 2, "cp": 2}, {"seq": "cp", "batch": "dp"}, zero_stage=1,

@@ -19,7 +19,7 @@ from autoshard.cost.model import Comm, program_events, resolve_cost_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact, train_steps  # noqa: E402
+from exactness import assert_exact, reference_train, train_steps  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 VOCAB, DIM = 32, 12
@@ -90,6 +90,26 @@ def test_plan_sends_statistics_not_logits_and_is_exact(mesh, layout):
     segs = program_events(plan.program, plan.mesh, resolve_cost_model(None), set())
     comms = [(c.fwd_kind, c.fwd_bytes) for s in segs for c in s.items if isinstance(c, Comm) and c.fwd_s > 0]
     assert ("all_gather", rows * 4) in comms and ("all_reduce", 2 * rows * 4) in comms
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_sharded_state_gathers_a_vocab_split_table_for_its_lookup(zero_stage):
+    """The table is split by vocab on tp and its state by hidden on dp. Under ZeRO-2 the lookup
+    reads the full copy kept since the last step (the tp piece) and then gathers tp from it;
+    it once took the full copy on tp as well, dropping the tp gather (a table of half the rows:
+    an index error, or rows of the wrong half where the ids were small)."""
+    torch.manual_seed(0)
+    model, args = TiedLM(), lm_batch()
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "tp": 2}), dims=DIMS, train=True,
+                               layout={"batch": "dp", "vocab": "tp"}, zero_stage=zero_stage)
+    assert plan.program.storage["p_emb_weight"].axis == "dp"
+    assert_exact(plan, model, args)
+    steps = [args, tuple(t.roll(1, 0) for t in args), args]
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    losses, params = plan.simulate_train(steps, optimizer=make_opt)
+    ref_losses, ref_params = reference_train(model, steps, make_opt)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(params["emb.weight"], ref_params["emb.weight"], rtol=1e-5, atol=1e-6)
 
 
 def test_label_smoothing_keeps_the_gather():

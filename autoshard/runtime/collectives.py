@@ -224,9 +224,10 @@ class _Collective(torch.autograd.Function):
     """One autograd Function for every row of ADJOINTS: forward and backward read the table."""
 
     @staticmethod
-    def forward(fctx, x, op, axis, dims, tag, lazy=False, consume=False, later=False):
+    def forward(fctx, x, op, axis, dims, tag, lazy=False, consume=False, later=False, defer=True):
         rctx = current(f"autoshard collective {op}")
         fctx.rctx, fctx.op, fctx.axis, fctx.dims, fctx.tag = rctx, op, axis, dims, tag
+        fctx.defer = defer
         fctx.pending = None
         # a parameter leaf whose gradient sum may land in .grad when backward ends (param_sums)
         fctx.leaf = x if later and x.is_leaf and x.requires_grad else None
@@ -260,8 +261,8 @@ class _Collective(torch.autograd.Function):
             # a sum returned pending and never read: finished by the end of backward all the same
             torch.autograd.Variable._execution_engine.queue_callback(fctx.pending.wait)
         if fctx.leaf is not None and _sum_later(fctx, grad):
-            return (None,) * 8  # the sum lands in the parameter's .grad when backward ends
-        return _backward(fctx, grad), None, None, None, None, None, None, None
+            return (None,) * 9  # the sum lands in the parameter's .grad when backward ends
+        return _backward(fctx, grad), None, None, None, None, None, None, None, None
 
 
 def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
@@ -276,8 +277,10 @@ def _backward(fctx, grad: torch.Tensor) -> torch.Tensor:
     grad = grad.detach()
     if primitive in SUMMING:
         key = (fctx.op, fctx.tag, fctx.axis)
-        if fctx.axis in rctx.defer_axes:
+        if fctx.axis in rctx.defer_axes and getattr(fctx, "defer", True):
             # Sum(k microbatches) then reduce == reduce each then sum: send once, at the end.
+            # (Only where the sum's result reaches the parameters the same way in every
+            # microbatch; an activation's gradient sum (defer=False) is sent in its own.)
             rctx.deferred[key] = rctx.deferred[key] + grad if key in rctx.deferred else grad.clone()
             if primitive == "all_reduce":
                 return torch.zeros_like(grad)
@@ -394,11 +397,11 @@ def _dim(x: torch.Tensor, dim: int, op: str, name: str = "dim") -> int:
 
 
 def _apply(op: str, x: torch.Tensor, axis: str, dims: tuple[int, ...], tag: int | None, lazy: bool = False,
-           consume: bool = False, later: bool = False):
+           consume: bool = False, later: bool = False, defer: bool = True):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op} expects a tensor, got {type(x).__name__}")
     current(f"autoshard collective {op}").mesh.check_axis(axis)
-    return _Collective.apply(x, op, axis, dims, tag, lazy, consume, later)
+    return _Collective.apply(x, op, axis, dims, tag, lazy, consume, later, defer)
 
 
 # ---- the public functions, one per row of ADJOINTS -------------------------------------------
@@ -443,21 +446,24 @@ def start_all_reduce(x: torch.Tensor, axis: str, tag: int) -> None:
                                                          "all_reduce", tag, "forward")
 
 
-def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None, later: bool = False) -> torch.Tensor:
+def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None, later: bool = False,
+                 defer: bool = True) -> torch.Tensor:
     """Replicate consumed by varying work: identity forward; backward sums grads over ``axis``.
 
     Megatron's f / JAX's pbroadcast; on a data axis, this backward all-reduce is the DDP sync.
 
     ``later=True``, for a parameter leaf the program reads nowhere else: backward starts the
     sum without waiting and it is added into ``x.grad`` when backward ends (the same values;
-    :mod:`~autoshard.runtime.param_sums`, placed by ``passes/param_sums.py``).
+    :mod:`~autoshard.runtime.param_sums`, placed by ``passes/param_sums.py``). ``defer=False``:
+    ``x`` is computed from the batch, so gradient accumulation sends its sum in every
+    microbatch (as :func:`all_gather_varying`'s).
 
     Example::
 
         h = mark_varying(x, "tp") @ w_col_shard.T
         w = mark_varying(norm_weight, "tp", later=True)   # norm_weight.grad summed after backward
     """
-    return _apply("mark_varying", x, axis, (), tag, later=later)
+    return _apply("mark_varying", x, axis, (), tag, later=later, defer=defer)
 
 
 def reduce_scatter(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
@@ -480,16 +486,20 @@ def all_gather(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> 
     return _apply("all_gather", x, axis, (_dim(x, dim, "all_gather"),), tag)
 
 
-def all_gather_varying(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:
+def all_gather_varying(x: torch.Tensor, axis: str, dim: int, tag: int | None = None,
+                       defer: bool = True) -> torch.Tensor:
     """Shard(dim) -> Replicate used by varying work: all-gather; backward reduce-scatters.
 
     This is ``mark_varying(all_gather(x))`` fused; on a data axis it is FSDP's parameter gather.
+    ``defer=False``: ``x`` is an activation (context parallelism's K/V), whose gradient differs
+    per microbatch and feeds the rest of that microbatch's backward, so gradient accumulation
+    (``LocalModule.no_sync``) must not hold its reduce-scatter for a later microbatch.
 
     Example::
 
         w = all_gather_varying(w_shard, "dp", 0)     # grads come back reduce-scattered
     """
-    return _apply("all_gather_varying", x, axis, (_dim(x, dim, "all_gather_varying"),), tag)
+    return _apply("all_gather_varying", x, axis, (_dim(x, dim, "all_gather_varying"),), tag, defer=defer)
 
 
 def shard_slice(x: torch.Tensor, axis: str, dim: int, tag: int | None = None) -> torch.Tensor:

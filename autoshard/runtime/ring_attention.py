@@ -434,11 +434,11 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     n, r = rctx.mesh.axis_size(axis), rctx.coord(axis)
     seq_len = q.shape[-2] * n
     kv = C.all_gather_varying(torch.stack([k, v]) if k.shape == v.shape else k, axis,
-                              k.dim() - 1 if k.shape == v.shape else k.dim() - 2, tag=tag)
+                              k.dim() - 1 if k.shape == v.shape else k.dim() - 2, tag=tag, defer=False)
     if k.shape == v.shape:
         kk, vv = kv[0], kv[1]
     else:
-        kk, vv = kv, C.all_gather_varying(v, axis, v.dim() - 2, tag=tag)
+        kk, vv = kv, C.all_gather_varying(v, axis, v.dim() - 2, tag=tag, defer=False)
     key_pos = order_index(seq_len, n, order, q.device)
     bl = _Blocks(q, k, mask, causal, scale, chunk_ranges(seq_len, n, r, order), seq_len)
     q5 = bl.q5(q)
