@@ -248,6 +248,17 @@ def test_allgather_variant_exact_and_zero_training():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def assert_accumulates_like_single_device(plan, model, steps):
+    """Training over ``steps`` of 2 microbatches each (SGD with momentum) equals the
+    single-device model's: losses and parameters."""
+    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
+    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("variant", ["allgather", "ring"])
 def test_gradient_accumulation_sends_kv_gradients_in_each_microbatch(variant):
     """Two microbatches a step: the all-gather variant's K/V gradient reduce-scatter carries an
@@ -259,12 +270,7 @@ def test_gradient_accumulation_sends_kv_gradients_in_each_microbatch(variant):
     plan = _plan(model, halves[0], dims, {"cp": 2}, {"seq": "cp"}, context={"variant": variant})
     assert {a.variant for a in plan.program.context.attention} == {variant}
     steps = [halves, halves[::-1], halves]
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
-    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
-    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_accumulates_like_single_device(plan, model, steps)
 
 
 class StyledTokens(nn.Module):
@@ -294,12 +300,7 @@ def test_gradient_accumulation_sums_a_batch_value_in_each_microbatch():
         steps.append([tuple(t[i::2].contiguous() for t in batch) for i in range(2)])
     dims = {"ids": "batch seq", "style": "batch", "labels": "batch seq"}
     plan = _plan(model, steps[0][0], dims, {"dp": 2, "cp": 2}, {"batch": "dp", "seq": "cp"})
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
-    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
-    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_accumulates_like_single_device(plan, model, steps)
     # the style vector's sum on cp is sent in each microbatch; the parameters' sums still wait
     undeferred = [n.args[0].name for n in plan.graph_module.graph.nodes if n.kwargs.get("defer") is False]
     assert undeferred == ["unsqueeze_default"], undeferred
