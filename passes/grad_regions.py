@@ -49,15 +49,6 @@ def use_kind(cur, target, varying: bool):
     return OTHER
 
 
-def stored_use_kind(target, varying: bool):
-    """The kind of one read of a parameter stored sharded on the data axis (ZeRO-2/3), from the
-    reader's target placement there: read whole, it is gathered (or its full copy read), and its
-    gradient comes back as a per-rank share (MV) or whole (REP), as for a replicated value."""
-    if isinstance(target, Replicate):
-        return MV if varying else REP
-    return OTHER
-
-
 def bucketable_region(graph: fx.Graph, rg: set, place: dict, uses: dict, axis_ix: int, candidates,
                       stored=()) -> set:
     """Names of the nodes (parameters and replicated values) of every region whose data-axis
@@ -151,13 +142,10 @@ def sum_regions_in_storage(graph: fx.Graph, program_graph, rg: set, place: dict,
     """
     stored = {n for n, st in storage.items() if st.axis == axis}
     region = bucketable_region(graph, rg, place, uses, list(axes).index(axis), stored, stored=stored)
-    dropped, kept_whole, gathered = set(), set(), {}  # tags; gathered: tag -> bytes gathered
-    for name in region:
-        for mv in marks.get(name, ()):
-            dropped.add(mv.meta["autoshard"]["tag"])
-            mv.replace_all_uses_with(mv.args[0])
-            program_graph.erase_node(mv)
-        for read in stored_reads.get(name, ()) if name in stored else ():
+    dropped = drop_marks(region, marks, program_graph)
+    kept_whole, gathered = set(), {}  # tags; gathered: tag -> bytes gathered
+    for name in region & stored:
+        for read in stored_reads.get(name, ()):
             if read.target is C.replicated_use:
                 kept_whole.add(read.args[0].meta["autoshard"]["tag"])  # the use_persistent before it
                 read.replace_all_uses_with(read.args[0])
@@ -178,3 +166,15 @@ def sum_regions_in_storage(graph: fx.Graph, program_graph, rg: set, place: dict,
             continue
         out.append(dataclasses.replace(c, why=c.why + REGION_SUM) if c.tag in kept_whole else c)
     return out
+
+
+def drop_marks(names, marks: dict, program_graph) -> set:
+    """Remove the ``mark_varying`` nodes ``marks[name]`` of every name in ``names`` from the
+    program graph (their sum moves to the parameters); returns their tags."""
+    tags = set()
+    for name in names:
+        for mv in marks.get(name, ()):
+            tags.add(mv.meta["autoshard"]["tag"])
+            mv.replace_all_uses_with(mv.args[0])
+            program_graph.erase_node(mv)
+    return tags

@@ -95,7 +95,7 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
                           bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
                           regions={**vp.lowerings(graph), **lowerings(regions, moe), **cp.lowerings(ctx)},
                           fixed=owned, region_axis=axes[0] if (train and storage and not bucket_axis) else None,
-                          user_inputs={i.name for i in inputs if i.kind == "user"})
+                          user_inputs={i.name for i in inputs if i.kind == "user"}, data_axes=axes)
     program.experts = moe
     program.context = ctx
     if zero_stage == 3:

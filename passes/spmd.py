@@ -41,7 +41,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
-from .grad_regions import bucketable_region, stored_use_kind, sum_regions_in_storage, use_kind
+from .grad_regions import bucketable_region, drop_marks, sum_regions_in_storage, use_kind
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, aliases_read_later, get_path,
                     is_inplace, is_tensor_node, shape_of)
@@ -203,7 +203,7 @@ class _Rewriter:
     def __init__(self, graph: fx.Graph, info: DimInfo, layout: Layout, mesh, requires_grad: set, display: dict,
                  storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
                  collectives_only: bool = False, region_axis=None,
-                 user_inputs=()):
+                 user_inputs=(), data_axes=()):
         # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
         # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
@@ -228,9 +228,8 @@ class _Rewriter:
         self.rg = requires_grad
         # Values computed from a user input (the batch): their gradient differs per microbatch,
         # so a data-axis sum of it may not be held for a later microbatch (LocalModule.no_sync).
-        self.user_inputs = set(user_inputs)
-        self.from_user = depends_on(graph, self.user_inputs)
-        self.data_axes: set = set()  # axes that split a user input, filled as placeholders are placed
+        self.from_user = depends_on(graph, set(user_inputs))
+        self.data_axes = frozenset(data_axes)  # the axes that split a user input
         self.g = _CollectivesOnly() if collectives_only else fx.Graph()
         self.local: dict = {}  # node -> new node
         self.place: dict = {}  # node -> list of placements per output
@@ -304,9 +303,9 @@ class _Rewriter:
         if needs_grad and self.region_axis is not None:
             i, a = self.axes.index(self.region_axis), self.region_axis
             st = self.storage.get(src.name)
-            kind = (stored_use_kind(target[i], a in varying) if st is not None and st.axis == a
-                    else use_kind(cur[i], target[i], a in varying))
-            self.grad_uses.setdefault(src, []).append((consumer, kind))
+            # a parameter stored sharded on the axis is read from its gathered (or full) copy
+            whole = R if st is not None and st.axis == a else cur[i]
+            self.grad_uses.setdefault(src, []).append((consumer, use_kind(whole, target[i], a in varying)))
         key = (src, out, target, varying)
         if key in self.cache:
             return self.cache[key]
@@ -523,8 +522,6 @@ class _Rewriter:
                     st = self.storage.get(node.name)
                     use_places[node.name] = self.fixed.get(node.name) or self.desired(node)
                     self.place[node] = [st.placement if st else use_places[node.name]]
-                    if node.name in self.user_inputs:
-                        self.data_axes |= {a for o, a in zip(self.place[node][0], self.axes) if isinstance(o, Shard)}
                     new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
                     if st is not None and st.mode == "persistent":
                         full = self.g.placeholder(node.name + "_full")
@@ -578,12 +575,8 @@ class _Rewriter:
         region = bucketable_region(self.g0, self.rg, self.place, self.grad_uses, self.axes.index(self.bucket_axis),
                                    self.bucket_uses) if self.bucket_axis is not None else set()
         names += [n for n in self.bucket_uses if n in region and n not in names]
-        for name in sorted(set(names) | region):
-            for mv in self.bucket_marks.get(name, ()):
-                tag = mv.meta["autoshard"]["tag"]
-                mv.replace_all_uses_with(mv.args[0])
-                self.g.erase_node(mv)
-                self.collectives = [c for c in self.collectives if c.tag != tag]
+        dropped = drop_marks(sorted(set(names) | region), self.bucket_marks, self.g)
+        self.collectives = [c for c in self.collectives if c.tag not in dropped]
         return sorted(names, key=lambda n: -first_use.get(n, 0))
 
     def meta_local(self, val, place):
@@ -946,7 +939,7 @@ def lazy_programs():
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
             storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
             collectives_only: bool = False, region_axis=None,
-            user_inputs=()) -> Program:
+            user_inputs=(), data_axes=()) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
@@ -957,9 +950,11 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     ``region_axis``: the data axis on which, without buckets, the gradient sums of replicated
     regions computed from sharded state move into its reduce-scatters (``grad_regions``).
     ``user_inputs``: placeholder names of the model's own inputs (the batch), whose dependent
-    values' data-axis gradient sums are not deferred under gradient accumulation."""
+    values' gradient sums on ``data_axes`` (the axes that split them, ``ownership.data_axes``)
+    are not deferred under gradient accumulation."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = requires_grad_nodes(graph, grad_inputs)
     return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
-                     bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs).run()
+                     bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs,
+                     data_axes).run()
