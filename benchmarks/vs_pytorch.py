@@ -33,7 +33,9 @@ The two runtimes of a pair are timed alternately in the same processes (``--roun
 ``--steps`` steps each, more where steps are short so a round lasts ``--min-round`` seconds,
 after warm-up), so background load hits both alike; a round's time is
 rank 0's wall time between two barriers. The ratio is autoshard's median round time over the
-peer's: below 1 means autoshard is faster.
+peer's: below 1 means autoshard is faster. In brackets, the lowest and highest ratio of one
+round of each runtime run back to back: how far the ratio moves on this machine from one
+round to the next.
 """
 from __future__ import annotations
 
@@ -209,7 +211,8 @@ def compare(a, b, rounds, steps, warmup, min_round_s=0.0):
         else:
             tb.append(timed(b, steps))
             ta.append(timed(a, steps))
-    return statistics.median(ta), statistics.median(tb), steps
+    paired = sorted(x / y for x, y in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), steps, (paired[0], paired[-1])
 
 
 def worker(opts):
@@ -228,11 +231,12 @@ def worker(opts):
             if opts.pairs and pair not in opts.pairs:
                 continue
             a, b = runtimes_for(pair, model, tokens, labels, rank, world, meshes)
-            ta, tb, steps = compare(a, b, opts.rounds, opts.steps, opts.warmup, opts.min_round)
-            rows.append((key, (layers, dim, seq, gb), pair, ta, tb))
+            ta, tb, steps, spread = compare(a, b, opts.rounds, opts.steps, opts.warmup, opts.min_round)
+            rows.append((key, (layers, dim, seq, gb), pair, ta, tb, spread))
             if rank == 0:
                 print(f"[{world} procs] {key} {pair}: autoshard {ta * 1e3:.1f} ms, peer {tb * 1e3:.1f} ms, "
-                      f"ratio {ta / tb:.2f} ({opts.rounds} rounds of {steps} steps)", flush=True)
+                      f"ratio {ta / tb:.2f}, {spread[0]:.2f}-{spread[1]:.2f} by round "
+                      f"({opts.rounds} rounds of {steps} steps)", flush=True)
             del a, b
     if rank == 0:
         print_table(rows, world)
@@ -241,12 +245,13 @@ def worker(opts):
 
 def print_table(rows, world):
     pairs = ["tp/dtensor", "tp-sp/dtensor-sp", "zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep"]
-    print(f"\n{world} gloo processes, 1 thread each: autoshard step time / PyTorch step time (median of rounds)")
+    print(f"\n{world} gloo processes, 1 thread each: autoshard step time / PyTorch step time (median of rounds, "
+          f"[lowest-highest ratio of one round each])")
     print("| config (layers, dim, seq, batch) | " + " | ".join(pairs) + " |")
     print("|---" * (len(pairs) + 1) + "|")
     by = {}
-    for key, shape, pair, ta, tb in rows:
-        by.setdefault(shape, {})[pair] = f"{ta / tb:.2f} ({ta * 1e3:.0f}/{tb * 1e3:.0f} ms)"
+    for key, shape, pair, ta, tb, (low, high) in rows:
+        by.setdefault(shape, {})[pair] = f"{ta / tb:.2f} [{low:.2f}-{high:.2f}] ({ta * 1e3:.0f}/{tb * 1e3:.0f} ms)"
     for shape, cells in by.items():
         print(f"| {', '.join(map(str, shape))} | " + " | ".join(cells.get(p, "–") for p in pairs) + " |")
     sys.stdout.flush()
