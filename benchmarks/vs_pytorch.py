@@ -5,6 +5,7 @@ Run (on a quiet machine; the benchmark launches one torchrun job per world size)
     .venv/bin/pip install expecttest      # torch's test model module imports it
     flock /work/bench.lock .venv/bin/python benchmarks/vs_pytorch.py            # 2 and 4 processes
     .venv/bin/python benchmarks/vs_pytorch.py --world 2 --configs 8x128 --rounds 3   # a subset
+    .venv/bin/python benchmarks/vs_pytorch.py --world 2 --configs 2x512 --pairs tp/dtensor --profile 3
 
 The model is PyTorch's own test Transformer (``torch.testing._internal.distributed._tensor.
 common_dtensor.Transformer``: token + position embeddings, pre-norm blocks of attention and a
@@ -33,7 +34,9 @@ The two runtimes of a pair are timed alternately in the same processes (``--roun
 ``--steps`` steps each, more where steps are short so a round lasts ``--min-round`` seconds,
 after warm-up), so background load hits both alike; a round's time is
 rank 0's wall time between two barriers. The ratio is autoshard's median round time over the
-peer's: below 1 means autoshard is faster. In brackets, the lowest and highest ratio of one
+peer's: below 1 means autoshard is faster. ``--profile N`` then runs N more steps of each
+runtime under ``torch.profiler`` and prints rank 0's CPU time per op, side by side (where a
+ratio comes from: the matmuls, the collectives waited for, DTensor's dispatch). In brackets, the lowest and highest ratio of one
 round of each runtime run back to back: how far the ratio moves on this machine from one
 round to the next.
 """
@@ -215,6 +218,27 @@ def compare(a, b, rounds, steps, warmup, min_round_s=0.0):
     return statistics.median(ta), statistics.median(tb), steps, (paired[0], paired[-1])
 
 
+def op_times(step, steps):
+    """{op: (self CPU ms per step, calls per step)} over ``steps`` profiled steps (after one
+    unprofiled step, so lazily built programs are not counted)."""
+    step()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        dist.barrier()
+    return {e.key: (e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()}
+
+
+def print_op_times(ours, peer, top=25):
+    print(f"  {'op (self CPU time per step)':56s} {'autoshard ms':>12s} {'calls':>6s} {'peer ms':>9s} {'calls':>6s}")
+    for key in sorted(set(ours) | set(peer), key=lambda k: -max(ours.get(k, (0,))[0], peer.get(k, (0,))[0]))[:top]:
+        (a, na), (b, nb) = ours.get(key, (0.0, 0)), peer.get(key, (0.0, 0))
+        print(f"  {key[:56]:56s} {a:12.1f} {na:6d} {b:9.1f} {nb:6d}")
+    print(f"  {'all ops':56s} {sum(v[0] for v in ours.values()):12.1f} {'':6s} "
+          f"{sum(v[0] for v in peer.values()):9.1f}", flush=True)
+
+
 def worker(opts):
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
@@ -237,6 +261,10 @@ def worker(opts):
                 print(f"[{world} procs] {key} {pair}: autoshard {ta * 1e3:.1f} ms, peer {tb * 1e3:.1f} ms, "
                       f"ratio {ta / tb:.2f}, {spread[0]:.2f}-{spread[1]:.2f} by round "
                       f"({opts.rounds} rounds of {steps} steps)", flush=True)
+            if opts.profile:
+                ours, peer = op_times(a, opts.profile), op_times(b, opts.profile)
+                if rank == 0:
+                    print_op_times(ours, peer)
             del a, b
     if rank == 0:
         print_table(rows, world)
@@ -267,6 +295,8 @@ def main():
     ap.add_argument("--min-round", type=float, default=0.5,
                     help="seconds a round lasts at least: more steps per round for short steps")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing a pair, profile N steps of each runtime and print CPU time per op")
     opts = ap.parse_args()
     if "RANK" in os.environ:
         return worker(opts)
