@@ -80,16 +80,18 @@ def test_training_on_gloo_equals_simulation(config):
                 if n.target is varying_linears and n.kwargs.get("gather_dim") == 1]
 
 
-def embedded_plan():
+def embedded_plan(zero_stage=3):
     # token and position embeddings: the position table's all_gather and its gradient sum run
     # between two units, so the next unit's gather has its own start and its reduce-scatter is held
+    # (zero_stage=0: the gradients summed by buckets of a few parameters each instead)
     from test_units import _Embedded
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     args = (torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g))
     plan = autoshard.autoshard(_Embedded(), args, mesh=autoshard.Mesh({"dp": 2}),
                                dims={"tokens": "batch seq", "labels": "batch seq"}, layout={"batch": "dp"},
-                               train=True, search=False, zero_stage=3, reshard_after_forward=True)
+                               train=True, search=False, zero_stage=zero_stage,
+                               **(dict(reshard_after_forward=True) if zero_stage == 3 else dict(bucket_mb=0.001)))
     return plan, args
 
 
@@ -120,10 +122,11 @@ def test_region_sums_in_sharded_state_on_gloo_equal_simulation(zero_stage):
     assert_equals_simulation(results, plan, args)
 
 
-def spares_worker(rank, world_size):
+def spares_worker(rank, world_size, zero_stage):
     """Buffer reuse on gloo: what ``recycle`` keeps and what ``buffer`` hands out again, and
-    ZeRO-3 training drawing its unit buffers from the spares after the first step."""
-    plan, args = embedded_plan()
+    training drawing its buffers (ZeRO-3 units, ZeRO-0 gradient buckets) from the spares after
+    the first step."""
+    plan, args = embedded_plan(zero_stage)
     backend = DistributedBackend(plan.mesh)
     a = backend.buffer((4, 6), torch.float32)
     backend.recycle(a)
@@ -158,12 +161,15 @@ def spares_worker(rank, world_size):
     return whole, view_kept, per_step
 
 
-def test_gloo_backend_reuses_unit_buffers():
-    """After the first step, every unit buffer comes from the spares, except the gathered
-    buffers of one-parameter units, which become that parameter (forward and backward)."""
-    plan, _ = embedded_plan()
-    singles = sum(len(members) == 1 for _, _, members in plan.program.units)
-    for whole, view_kept, per_step in spawn(spares_worker, 2, timeout=120):
+@pytest.mark.parametrize("zero_stage", [3, 0])
+def test_gloo_backend_reuses_unit_and_bucket_buffers(zero_stage):
+    """After the first step, every unit or bucket buffer comes from the spares, except the
+    gathered buffers of one-parameter units, which become that parameter (forward and
+    backward); no gradient is left a view of one."""
+    plan, _ = embedded_plan(zero_stage)
+    singles = sum(len(members) == 1 for _, _, members in plan.program.units) if zero_stage == 3 else 0
+    assert zero_stage == 3 or len(plan.program.buckets) > 1
+    for whole, view_kept, per_step in spawn(spares_worker, 2, zero_stage, timeout=120):
         assert whole and not view_kept
         (first, _, aliased), *later = per_step
         assert first > 0 and not aliased

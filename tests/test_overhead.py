@@ -79,6 +79,8 @@ def test_bucket_flatten_is_its_own_buffer_and_unflatten_views_it(shapes):
     before = [t.clone() for t in ts]
     flat = flatten(ts)
     assert flat.tolist() == [x for t in before for x in t.flatten().tolist()]
+    into = torch.full((flat.numel(),), -1.0, dtype=torch.float64)  # a given buffer, another dtype
+    assert flatten(ts, out=into) is into and into.tolist() == flat.tolist()
     flat += 1000
     for t, b in zip(ts, before):
         assert torch.equal(t, b)  # the inputs are untouched: the buffer is not a view of them
