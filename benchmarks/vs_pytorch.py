@@ -34,11 +34,11 @@ The two runtimes of a pair are timed alternately in the same processes (``--roun
 ``--steps`` steps each, more where steps are short so a round lasts ``--min-round`` seconds,
 after warm-up), so background load hits both alike; a round's time is
 rank 0's wall time between two barriers. The ratio is autoshard's median round time over the
-peer's: below 1 means autoshard is faster. ``--profile N`` then runs N more steps of each
-runtime under ``torch.profiler`` and prints rank 0's CPU time per op, side by side (where a
-ratio comes from: the matmuls, the collectives waited for, DTensor's dispatch). In brackets, the lowest and highest ratio of one
+peer's: below 1 means autoshard is faster. In brackets, the lowest and highest ratio of one
 round of each runtime run back to back: how far the ratio moves on this machine from one
-round to the next.
+round to the next. ``--profile N`` then runs N more steps of each runtime under
+``torch.profiler`` and prints rank 0's CPU time per op, side by side (where a ratio comes
+from: the matmuls, the collectives waited for, DTensor's dispatch).
 """
 from __future__ import annotations
 
