@@ -2,6 +2,7 @@
 import copy
 import re
 
+import pytest
 import torch
 
 
@@ -47,6 +48,22 @@ def reference_train(model, steps, make_opt, microbatches=1):
         opt.zero_grad()
         losses.append(total)
     return losses, {n: p.detach() for n, p in m.named_parameters()}
+
+
+def sgd_momentum(params):
+    """SGD with momentum: sharded optimizer state, and updates linear in the gradients (Adam
+    divides by sqrt(v) and would magnify float noise of near-zero gradient elements)."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def assert_trains_like_single_device(plan, model, steps, make_opt=sgd_momentum, microbatches=1):
+    """``plan.simulate_train`` over ``steps`` equals single-device training (``reference_train``):
+    every step's loss and every final parameter, within the fp32 bounds."""
+    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=microbatches)
+    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=microbatches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def train_steps(local, opt, batches) -> list:

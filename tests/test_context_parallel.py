@@ -191,7 +191,7 @@ import torch.nn as nn  # noqa: E402
 import autoshard  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from exactness import assert_exact, reference_train  # noqa: E402
+from exactness import assert_exact, assert_trains_like_single_device  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 LLAMA_TP = {"heads": "tp", "kv_heads": "tp", "ffn": "tp"}
@@ -238,25 +238,7 @@ def test_allgather_variant_exact_and_zero_training():
     plan = _plan(model, args, dims, {"dp": 2, "cp": 2}, {"seq": "cp", "batch": "dp"}, zero_stage=3,
                  context={"variant": "allgather"})
     assert {a.variant for a in plan.program.context.attention} == {"allgather"}
-    # SGD with momentum: sharded optimizer state, and updates linear in the gradients (Adam divides
-    # by sqrt(v) and would magnify float noise of near-zero gradient elements)
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    ref_losses, ref_params = reference_train(model, [args] * 2, make_opt)
-    losses, params = plan.simulate_train([args] * 2, optimizer=make_opt)
-    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-
-def assert_accumulates_like_single_device(plan, model, steps):
-    """Training over ``steps`` of 2 microbatches each (SGD with momentum) equals the
-    single-device model's: losses and parameters."""
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=2)
-    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=2)
-    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_trains_like_single_device(plan, model, [args] * 2)  # SGD with momentum
 
 
 @pytest.mark.parametrize("variant", ["allgather", "ring"])
@@ -270,7 +252,7 @@ def test_gradient_accumulation_sends_kv_gradients_in_each_microbatch(variant):
     plan = _plan(model, halves[0], dims, {"cp": 2}, {"seq": "cp"}, context={"variant": variant})
     assert {a.variant for a in plan.program.context.attention} == {variant}
     steps = [halves, halves[::-1], halves]
-    assert_accumulates_like_single_device(plan, model, steps)
+    assert_trains_like_single_device(plan, model, steps, microbatches=2)
 
 
 class StyledTokens(nn.Module):
@@ -300,7 +282,7 @@ def test_gradient_accumulation_sums_a_batch_value_in_each_microbatch():
         steps.append([tuple(t[i::2].contiguous() for t in batch) for i in range(2)])
     dims = {"ids": "batch seq", "style": "batch", "labels": "batch seq"}
     plan = _plan(model, steps[0][0], dims, {"dp": 2, "cp": 2}, {"batch": "dp", "seq": "cp"})
-    assert_accumulates_like_single_device(plan, model, steps)
+    assert_trains_like_single_device(plan, model, steps, microbatches=2)
     # the style vector's sum on cp is sent in each microbatch; the parameters' sums still wait
     undeferred = [n.args[0].name for n in plan.graph_module.graph.nodes if n.kwargs.get("defer") is False]
     assert undeferred == ["unsqueeze_default"], undeferred
@@ -310,14 +292,7 @@ def test_ring_zero1_training_matches():
     model, args, dims = llama_tiny(with_labels=True, seq=16)
     plan = _plan(model, args, dims, {"dp": 2, "cp": 2}, {"seq": "cp", "batch": "dp"}, zero_stage=1,
                  context={"variant": "ring"})
-    # SGD with momentum: sharded optimizer state, and updates linear in the gradients (Adam divides
-    # by sqrt(v) and would magnify float noise of near-zero gradient elements)
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    ref_losses, ref_params = reference_train(model, [args] * 2, make_opt)
-    losses, params = plan.simulate_train([args] * 2, optimizer=make_opt)
-    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_trains_like_single_device(plan, model, [args] * 2)  # SGD with momentum
 
 
 class PaddedAttention(nn.Module):

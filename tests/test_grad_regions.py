@@ -12,7 +12,7 @@ import autoshard
 from autoshard import Mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exactness import reference_train  # noqa: E402
+from exactness import assert_trains_like_single_device  # noqa: E402
 
 VOCAB, SEQ, DIM = 16, 8, 12
 
@@ -67,12 +67,7 @@ def train_matches_single_device(plan, model, microbatches=1):
     steps = [batch(s) for s in range(3)]
     if microbatches > 1:
         steps = [[tuple(t[i::2] for t in b) for i in range(2)] for b in steps]
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    losses, params = plan.simulate_train(steps, optimizer=make_opt, microbatches=microbatches)
-    ref_losses, ref_params = reference_train(model, steps, make_opt, microbatches=microbatches)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for n, p in ref_params.items():
-        torch.testing.assert_close(params[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert_trains_like_single_device(plan, model, steps, microbatches=microbatches)
 
 
 @pytest.mark.parametrize("bucket_mb", [25.0, 1e-4], ids=["one-bucket", "per-param"])

@@ -19,7 +19,7 @@ from autoshard.cost.model import Comm, program_events, resolve_cost_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact, reference_train, train_steps  # noqa: E402
+from exactness import assert_exact, assert_trains_like_single_device, train_steps  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 VOCAB, DIM = 32, 12
@@ -104,12 +104,7 @@ def test_sharded_state_gathers_a_vocab_split_table_for_its_lookup(zero_stage):
                                layout={"batch": "dp", "vocab": "tp"}, zero_stage=zero_stage)
     assert plan.program.storage["p_emb_weight"].axis == "dp"
     assert_exact(plan, model, args)
-    steps = [args, tuple(t.roll(1, 0) for t in args), args]
-    make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    losses, params = plan.simulate_train(steps, optimizer=make_opt)
-    ref_losses, ref_params = reference_train(model, steps, make_opt)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(params["emb.weight"], ref_params["emb.weight"], rtol=1e-5, atol=1e-6)
+    assert_trains_like_single_device(plan, model, [args, tuple(t.roll(1, 0) for t in args), args])
 
 
 def test_label_smoothing_keeps_the_gather():
