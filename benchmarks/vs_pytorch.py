@@ -12,7 +12,9 @@ common_dtensor.Transformer``: token + position embeddings, pre-norm blocks of at
 GELU MLP, tied output head), wrapped with a mean cross-entropy loss, dropout 0. Each config is
 built once per process from one seed; every runtime gets a copy of the same weights and the
 same global batch (data-parallel runtimes split it across ranks, tensor-parallel ones read it
-whole). A step is forward + backward + AdamW. One thread per process, gloo.
+whole). A step is forward + backward + AdamW. One thread per process, gloo. autoshard's
+collectives go through shared memory (all ranks run on this host; ``runtime/shm.py``), PyTorch's
+through gloo's sockets; ``AUTOSHARD_SHARED_MEMORY=0`` puts autoshard's on gloo's sockets too.
 
 Pairs (each autoshard runtime against the PyTorch runtime a user would otherwise write):
 
@@ -38,7 +40,9 @@ peer's: below 1 means autoshard is faster. In brackets, the lowest and highest r
 round of each runtime run back to back: how far the ratio moves on this machine from one
 round to the next. ``--profile N`` then runs N more steps of each runtime under
 ``torch.profiler`` and prints rank 0's CPU time per op, side by side (where a ratio comes
-from: the matmuls, the collectives waited for, DTensor's dispatch).
+from: the matmuls, the collectives waited for, DTensor's dispatch). ``--floor`` also times
+autoshard's program with every collective's transfer removed (a local copy in its place: wrong
+values, the same compute) against the peer: no transport can bring the ratio below that.
 """
 from __future__ import annotations
 
@@ -162,7 +166,56 @@ def autoshard_step(model, tokens, labels, rank, mesh, layout, **options):
             local(tokens, labels).backward()
             opt.step()
             opt.zero_grad()
+    step.backend = backend
     return step
+
+
+class _Done:
+    """A transfer that is already complete (the wire-free floor's work handle)."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _NoWire:
+    """``torch.distributed`` as autoshard's runtime sees it, with every transfer replaced by a
+    local copy into the output: the program computes, allocates and copies as it does over
+    gloo, only nothing crosses a process (its values are wrong). Used by ``--floor``."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(t, *args, async_op=False, **kwargs):
+        return _Done() if async_op else None
+
+    @staticmethod
+    def all_gather_into_tensor(out, t, *args, async_op=False, **kwargs):
+        out.view(-1, t.numel()).copy_(t.reshape(1, -1))
+        return _Done() if async_op else None
+
+    @staticmethod
+    def all_to_all_single(out, t, *args, async_op=False, **kwargs):
+        out.copy_(t)
+        return _Done() if async_op else None
+
+
+def wire_free(step):
+    """``step`` (an autoshard runtime's) run with its collectives' transfers removed."""
+    from autoshard.runtime import distributed as runtime_dist
+
+    def floor_step():
+        saved = runtime_dist.dist, runtime_dist._all_gather_1, step.backend._shm
+        runtime_dist.dist, runtime_dist._all_gather_1 = _NoWire(), _NoWire.all_gather_into_tensor
+        step.backend._shm = {}  # every collective through the patched module
+        try:
+            step()
+        finally:
+            runtime_dist.dist, runtime_dist._all_gather_1, step.backend._shm = saved
+    return floor_step
 
 
 def runtimes_for(pair, model, tokens, labels, rank, world, meshes):
@@ -246,7 +299,7 @@ def worker(opts):
     rank, world = dist.get_rank(), dist.get_world_size()
     meshes = {"dp": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
               "tp": init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))}
-    rows = []
+    rows, floors = [], []
     for key in opts.configs:
         (layers, dim, seq, gb), pairs = CONFIGS[key]
         model, _ = build_model(layers, dim, seq)
@@ -261,6 +314,14 @@ def worker(opts):
                 print(f"[{world} procs] {key} {pair}: autoshard {ta * 1e3:.1f} ms, peer {tb * 1e3:.1f} ms, "
                       f"ratio {ta / tb:.2f}, {spread[0]:.2f}-{spread[1]:.2f} by round "
                       f"({opts.rounds} rounds of {steps} steps)", flush=True)
+            if opts.floor:
+                fa, fb, fsteps, fspread = compare(wire_free(a), b, opts.rounds, opts.steps, opts.warmup,
+                                                  opts.min_round)
+                floors.append((key, (layers, dim, seq, gb), pair, fa, fb, fspread))
+                if rank == 0:
+                    print(f"[{world} procs] {key} {pair}: autoshard without transfers {fa * 1e3:.1f} ms, "
+                          f"peer {fb * 1e3:.1f} ms, floor ratio {fa / fb:.2f}, {fspread[0]:.2f}-"
+                          f"{fspread[1]:.2f} by round ({opts.rounds} rounds of {fsteps} steps)", flush=True)
             if opts.profile:
                 ours, peer = op_times(a, opts.profile), op_times(b, opts.profile)
                 if rank == 0:
@@ -268,12 +329,14 @@ def worker(opts):
             del a, b
     if rank == 0:
         print_table(rows, world)
+        if floors:
+            print_table(floors, world, what="autoshard step time with every collective's transfer removed")
     dist.destroy_process_group()
 
 
-def print_table(rows, world):
+def print_table(rows, world, what="autoshard step time"):
     pairs = ["tp/dtensor", "tp-sp/dtensor-sp", "zero0/ddp", "zero3/fsdp2", "zero3-keep/fsdp2-keep"]
-    print(f"\n{world} gloo processes, 1 thread each: autoshard step time / PyTorch step time (median of rounds, "
+    print(f"\n{world} gloo processes, 1 thread each: {what} / PyTorch step time (median of rounds, "
           f"[lowest-highest ratio of one round each])")
     print("| config (layers, dim, seq, batch) | " + " | ".join(pairs) + " |")
     print("|---" * (len(pairs) + 1) + "|")
@@ -297,6 +360,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing a pair, profile N steps of each runtime and print CPU time per op")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time autoshard's program with every collective's transfer removed (a local "
+                         "copy instead; wrong values, the same compute) against the peer: the lowest ratio "
+                         "any communication scheme could reach")
     opts = ap.parse_args()
     if "RANK" in os.environ:
         return worker(opts)

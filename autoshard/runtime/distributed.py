@@ -14,11 +14,16 @@ receive ahead of the ``recv`` that reads it, so the data can land while this ran
 NCCL ignores tags and matches messages between two ranks in the order they were posted; the
 pipeline schedules post them in matching order, but that path has not been run here.
 
-Values equal the simulated backend's except for the order of floating-point summation in
-all-reduces (and reduce-scatters on nccl), which gloo/nccl choose (ring, halving-doubling, ...):
-expect relative differences around ``n * eps`` (fp32: ~1e-6 with 4 ranks); gathers and
-all-to-all are bit-exact, and so are reduce-scatters on gloo, which run as an all-to-all and a
-sum in rank order (faster there than gloo's own reduce-scatter).
+Where every rank runs on one host (gloo on CPU, x86-64), all-reduces, gathers and all-to-alls
+of equal blocks move through shared memory instead (:mod:`.shm`), several times faster than
+gloo's sockets; ``shared_memory=False`` keeps them on gloo.
+
+Values equal the simulated backend's bit for bit with shared memory (sums in rank order) and
+on gloo except for the order of floating-point summation in all-reduces (and reduce-scatters
+on nccl), which gloo/nccl choose (ring, halving-doubling, ...): expect relative differences
+around ``n * eps`` (fp32: ~1e-6 with 4 ranks). Gathers and all-to-all are bit-exact, and so are
+reduce-scatters on gloo, which run as an all-to-all and a sum in rank order (faster there than
+gloo's own reduce-scatter).
 
 Example (inside a process started by torchrun or :func:`autoshard.runtime.launch.spawn`)::
 
@@ -30,16 +35,35 @@ Example (inside a process started by torchrun or :func:`autoshard.runtime.launch
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits, shares_memory
+from .shm import SharedMemoryGroup, all_on_this_host, job_token, usable_here
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
 _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Gloo:
+    """torch.distributed's tensor-form collectives under :class:`SharedMemoryGroup`'s names
+    (looked up at each call)."""
+
+    @staticmethod
+    def all_reduce(*args, **kwargs):
+        return dist.all_reduce(*args, **kwargs)
+
+    @staticmethod
+    def all_gather_single(*args, **kwargs):
+        return _all_gather_1(*args, **kwargs)
+
+    @staticmethod
+    def all_to_all_single(*args, **kwargs):
+        return dist.all_to_all_single(*args, **kwargs)
 
 
 def _group_timeout(group):
@@ -113,9 +137,15 @@ class DistributedBackend(Backend):
     ``mesh`` may itself wrap a DeviceMesh (``Mesh(device_mesh)``); then that one is used.
     Every axis group gets ``timeout`` (seconds or a timedelta; default: the default process
     group's), so a stalled peer fails a collective within it on every axis.
+
+    ``shared_memory``: on gloo, when every rank runs on this host (x86-64), all-reduces,
+    gathers and the all-to-all of reduce-scatters move through a shared memory segment per
+    group instead of gloo's sockets (:mod:`.shm`: several times faster; sums in rank order).
+    The environment variable ``AUTOSHARD_SHARED_MEMORY=0`` turns it off as ``False`` does.
     """
 
-    def __init__(self, mesh, device_type: str = "cpu", device_mesh=None, timeout=None):
+    def __init__(self, mesh, device_type: str = "cpu", device_mesh=None, timeout=None,
+                 shared_memory: bool = True):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedBackend needs torch.distributed.init_process_group() first")
         if dist.get_world_size() != mesh.size:
@@ -148,6 +178,27 @@ class DistributedBackend(Backend):
             if got != mesh.group(axis, rank):
                 raise ValueError(f"DeviceMesh group for axis {axis!r} on rank {rank} is {got}, "
                                  f"but {mesh} expects {mesh.group(axis, rank)}")
+        self._shm: dict = {}  # axis -> SharedMemoryGroup where collectives go through shared memory
+        if (shared_memory and os.environ.get("AUTOSHARD_SHARED_MEMORY", "1") != "0" and self._gloo
+                and device_type == "cpu" and usable_here() and all_on_this_host()):
+            token = job_token()
+            for axis, group in self.groups.items():
+                if mesh.axis_size(axis) > 1:
+                    seconds = _group_timeout(group)
+                    seconds = 1800.0 if seconds is None else seconds.total_seconds()
+                    self._shm[axis] = SharedMemoryGroup(group, seconds, name=f"autoshard-{token}-{axis}")
+
+    @property
+    def transports(self) -> dict:
+        """{axis: "shared memory" or "gloo" or "nccl"}: how that axis's collectives move."""
+        wire = "gloo" if self._gloo else dist.get_backend()
+        return {axis: "shared memory" if axis in self._shm else wire for axis in self.mesh.names}
+
+    def _wire(self, axis, payload):
+        """Where a collective with per-rank ``payload`` goes: the axis's shared memory group when
+        it takes it (the same answer on every rank), else torch.distributed."""
+        group = self._shm.get(axis)
+        return group if group is not None and group.prepare(payload) else _Gloo
 
     @property
     def timeouts(self) -> dict:
@@ -162,12 +213,12 @@ class DistributedBackend(Backend):
 
     def all_reduce(self, x, axis):
         out = x.detach().clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis])
+        self._wire(axis, out).all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis])
         return out
 
     def all_reduce_async(self, x, axis, consume=False):
         out = x if consume and x.is_contiguous() else x.contiguous().clone()
-        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis], async_op=True)
+        work = self._wire(axis, out).all_reduce(out, op=dist.ReduceOp.SUM, group=self.groups[axis], async_op=True)
         return Pending(out, work)
 
     # Free buffers kept per (elements, dtype): a ZeRO-3 step allocates unit-sized buffers for
@@ -208,7 +259,7 @@ class DistributedBackend(Backend):
         # on another dim the blocks arrive one after the other along dim 0 and are put side by
         # side along dim once they are all here (a copy, or a view of the buffer: not recycled)
         out = self.buffer(shape, front.dtype, front.device) if dim == 0 else front.new_empty(shape)
-        work = _all_gather_1(out, front, group=self.groups[axis], async_op=True)
+        work = self._wire(axis, front).all_gather_single(out, front, group=self.groups[axis], async_op=True)
         if dim != 0:
             return Pending(out, work, finish=lambda rows: _merge_rank_blocks(rows, dim, n))
         return Pending(out, work, finish=self._recycling(front) if consume else None)
@@ -237,7 +288,7 @@ class DistributedBackend(Backend):
             # (work is None when not async_op)
             return Pending(out, _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
         received = self.buffer(front.shape, front.dtype, front.device)
-        work = dist.all_to_all_single(received, front, group=group, async_op=async_op)
+        work = self._wire(axis, front).all_to_all_single(received, front, group=group, async_op=async_op)
         spent = self._recycling(received, front) if consume else self._recycling(received)
         return Pending(received, work, finish=lambda rows: spent(_sum_blocks(rows, n)))
 
@@ -245,7 +296,7 @@ class DistributedBackend(Backend):
         n = self.mesh.axis_size(axis)
         front = x.detach().contiguous()
         out = front.new_empty((n * front.shape[0],) + front.shape[1:])
-        _all_gather_1(out, front, group=self.groups[axis])
+        self._wire(axis, front).all_gather_single(out, front, group=self.groups[axis])
         return _merge_rank_blocks(out, dim, n)
 
     def reduce_scatter(self, x, axis, dim):
@@ -261,7 +312,7 @@ class DistributedBackend(Backend):
         out = torch.empty_like(front)
         # all_to_all_single sends chunk j of dim 0 to rank j and stacks what it receives along
         # dim 0 in rank order: out[j] is our chunk from rank j, still with scatter_dim in front.
-        dist.all_to_all_single(out, front, group=self.groups[axis])
+        self._wire(axis, front).all_to_all_single(out, front, group=self.groups[axis])
         pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
         return torch.cat(pieces, gather_dim)
 

@@ -1,0 +1,331 @@
+"""Collectives between the processes of one host through a shared memory segment.
+
+gloo moves every collective through loopback TCP and its own threads, even when all ranks of a
+group run on one machine. There, a rank can instead copy its payload into a segment all of them
+map and read the others' payloads from it. Measured on this project's 2-core machine, 2
+processes, one thread each (``benchmarks/collectives.py``, milliseconds per call): a 4 MiB
+all-reduce 2.0 against gloo's 8.7, a 12.6 MiB all-gather 8.5 against 24.2, a one-element
+all-reduce 0.09 against 0.93.
+
+:class:`SharedMemoryGroup` serves one process group with the three tensor-form primitives
+:class:`~autoshard.runtime.distributed.DistributedBackend` uses, with torch.distributed's
+signatures: ``all_reduce`` (a sum in rank order, as the simulated backend sums, so results
+equal the simulation bit for bit at any group size), ``all_gather_single`` and
+``all_to_all_single`` (equal blocks). Each returns a work handle (``wait``, ``is_completed``)
+when ``async_op``, else None after finishing.
+
+How a collective runs: a rank copies its payload into its own slot and publishes the
+collective's sequence number (it *arrives*); whenever it waits, it spins until every rank has
+arrived, reads all slots into the output (rank order), and publishes that it has read them (it
+*departs*). Starting never waits for the others to arrive, so an asynchronous collective costs
+one copy until it is waited for. ``WINDOW`` collectives can be in flight per group, each in its
+own slot; a slot is reused once every rank has departed from its previous collective (a rank
+that still holds one there finishes it first). Every rank issues the same collectives in the
+same order (the SPMD program), so sequence numbers match across ranks.
+
+The segment is created by the group's first rank with room for the largest payload seen (it is
+replaced by a larger one when a payload does not fit: every rank sees the same sizes, so all
+replace it at the same collective), mapped by the others, and unlinked as soon as all have
+mapped it: nothing stays in ``/dev/shm`` after the job, whatever way it ends. Its memory is
+reserved when it is created (``posix_fallocate``), so a full ``/dev/shm`` fails there, and the
+group then stays on gloo, instead of failing a write later.
+
+A wait that sees no progress fails with :class:`CollectiveError` naming the ranks it waits for:
+after the group's timeout (a stalled peer), or as soon as a peer's process has exited.
+
+Payloads are published by plain stores after the copy: x86-64 keeps stores in order (and loads
+in order), so a rank that sees a sequence number sees the payload. Other architectures need
+fences this module does not issue; :func:`usable_here` says where it may be used.
+
+Example (inside a process of a gloo job whose ranks share one host)::
+
+    group = SharedMemoryGroup(dist.group.WORLD, timeout_s=600)
+    x = torch.ones(4)
+    if group.prepare(x):                 # same answer on every rank
+        group.all_reduce(x)              # x is now the sum over ranks
+    out = x.new_empty(4 * dist.get_world_size())
+    if group.prepare(x):
+        work = group.all_gather_single(out, x, async_op=True)
+    ...                                  # compute
+    work.wait()
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from .backend import CollectiveError
+
+_PAGE = 4096
+
+
+def usable_here() -> bool:
+    """Whether shared-memory collectives may run on this machine (ordered stores: x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+def all_on_this_host(group=None) -> bool:
+    """Whether every rank of ``group`` (default: the world) runs on this machine: a collective
+    over the group (every rank must call it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, (socket.gethostname(), boot), group=group)
+    return len(set(hosts)) == 1
+
+
+def job_token(group=None) -> str:
+    """A name all ranks of ``group`` share and no other job has (rank 0's, broadcast)."""
+    box = [secrets.token_hex(6)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+class SharedMemoryGroup:
+    """The collectives of one gloo process group, through shared memory (see the module doc).
+
+    ``name`` makes the segment's file name unique (a job token and the group); ``timeout_s``
+    bounds every wait for a peer."""
+
+    WINDOW = 4  # collectives in flight at once per group, one slot each
+    # A payload larger than this (per rank) goes through gloo: the segment holds WINDOW x n
+    # slots of up to this size, reserved memory (1 GiB for 4 ranks).
+    MAX_BYTES = 64 << 20
+    MIN_BYTES = 1 << 20  # smallest slot: a segment is not replaced for every larger payload
+
+    def __init__(self, group, timeout_s: float, name: str = "autoshard"):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.n, self.me = len(self.ranks), self.ranks.index(dist.get_rank())
+        self.timeout_s = timeout_s
+        self.path = f"/dev/shm/{name}-{min(self.ranks)}-{self.n}"
+        self.seq = 0  # collectives started so far
+        self.floor = 0  # collectives before the current segment (all finished in the old one)
+        self.capacity = 0  # bytes per slot; 0: no segment yet
+        self.generation = 0
+        self.usable = True  # False after a segment could not be made: gloo from then on
+        self.inflight = [None] * self.WINDOW  # this rank's unfinished transfer per slot
+        self.pids = []
+
+    # ---- torch.distributed's forms -------------------------------------------------------------
+
+    def prepare(self, t: torch.Tensor) -> bool:
+        """Whether the next collective, with per-rank payload ``t``, runs here; makes or grows
+        the segment first where needed. Every rank of the group must call it for the same
+        collective, and all get the same answer (these collectives' payloads have one size on
+        all ranks); False from then on if a segment could not be made."""
+        return self.usable and t.device.type == "cpu" and t.nbytes <= self.MAX_BYTES and self._ensure(t.nbytes)
+
+    # ``group`` and ``op`` are accepted as torch.distributed's calls pass them (the group is
+    # this one; the op is always a sum).
+
+    def all_reduce(self, t: torch.Tensor, op=None, group=None, async_op: bool = False):
+        """``t`` (contiguous) becomes the sum over ranks, added in rank order."""
+        def deliver(slots):
+            flat = t.view(-1)
+            if self.n == 1:
+                flat.copy_(slots[0])
+                return
+            torch.add(slots[0], slots[1], out=flat)
+            for s in slots[2:]:
+                flat.add_(s)
+        return self._run(t, deliver, async_op)
+
+    def all_gather_single(self, out: torch.Tensor, t: torch.Tensor, group=None, async_op: bool = False):
+        """``out`` (contiguous, ``n`` times ``t``) gets every rank's ``t`` one after the other."""
+        def deliver(slots):
+            torch.cat(slots, out=out.view(-1))
+        return self._run(t, deliver, async_op)
+
+    def all_to_all_single(self, out: torch.Tensor, t: torch.Tensor, group=None, async_op: bool = False):
+        """Block ``j`` of ``out`` gets block ``me`` of rank ``j``'s ``t`` (``n`` equal blocks)."""
+        block = t.numel() // self.n
+        mine = slice(self.me * block, (self.me + 1) * block)
+
+        def deliver(slots):
+            torch.cat([s[mine] for s in slots], out=out.view(-1))
+        return self._run(t, deliver, async_op)
+
+    # ---- the protocol ---------------------------------------------------------------------------
+
+    def _run(self, t, deliver, async_op):
+        payload = t.detach().reshape(-1)
+        assert payload.nbytes <= self.capacity, "prepare() first"
+        self.seq += 1
+        slot = self.seq % self.WINDOW
+        held = self.inflight[slot]
+        if held is not None:
+            held.wait()  # this rank's previous collective in the slot: read it before reuse
+        before = self.seq - self.WINDOW
+        if before > self.floor:
+            self._spin(self._depart, slot, before, "finish reading the previous collective of its slot")
+        self._data(slot, self.me, payload).copy_(payload)
+        self._arrive[slot * self.n + self.me] = self.seq
+        transfer = _Transfer(self, self.seq, slot, payload, deliver)
+        self.inflight[slot] = transfer
+        if not async_op:
+            transfer.wait()
+            return None
+        return transfer
+
+    def _finish(self, transfer):
+        slot = transfer.slot
+        self._spin(self._arrive, slot, transfer.seq, "arrive")
+        deliver, payload = transfer.deliver, transfer.payload
+        deliver([self._data(slot, r, payload) for r in range(self.n)])
+        self._depart[slot * self.n + self.me] = transfer.seq
+        if self.inflight[slot] is transfer:
+            self.inflight[slot] = None
+
+    def _arrived(self, slot, seq) -> bool:
+        row = slot * self.n
+        return all(self._arrive[row + r] >= seq for r in range(self.n))
+
+    def _data(self, slot, rank, like):
+        start = self._control + (slot * self.n + rank) * self.capacity
+        return self._bytes[start:start + like.nbytes].view(like.dtype)
+
+    def _spin(self, flags, slot, seq, what):
+        """Until every rank's flag of ``slot`` reaches ``seq``; CollectiveError on no progress."""
+        row = slot * self.n
+        waiting = [r for r in range(self.n) if flags[row + r] < seq]
+        if not waiting:
+            return
+        t0 = last_check = time.monotonic()
+        nap = 0.0
+        while True:
+            for _ in range(256):
+                if all(flags[row + r] >= seq for r in waiting):
+                    return
+                if nap:
+                    time.sleep(nap)
+                else:
+                    os.sched_yield()
+            now = time.monotonic()
+            # Spin for the first 0.2 ms (a peer about to arrive), then sleep in short naps: with
+            # more ranks than cores, a spinning rank would take the CPU its peers compute on.
+            if now - t0 > 2e-4:
+                nap = 5e-5
+            if now - last_check < 0.2:
+                continue
+            last_check = now
+            waiting = [r for r in waiting if flags[row + r] < seq]
+            for r in waiting:
+                if not _alive(self.pids[r]):
+                    raise CollectiveError(
+                        f"shared-memory collective {seq} of process group {self.ranks}: peer rank "
+                        f"{self.ranks[r]} (pid {self.pids[r]}) exited before it could {what}")
+            if now - t0 > self.timeout_s:
+                raise CollectiveError(
+                    f"shared-memory collective {seq} of process group {self.ranks} timed out after "
+                    f"{self.timeout_s:g}s waiting for peer rank(s) {[self.ranks[r] for r in waiting]} to {what}")
+
+    def _ensure(self, nbytes) -> bool:
+        """A segment whose slots hold ``nbytes``: made (or replaced by a larger one) by every
+        rank of the group at the same collective. False (on every rank) where it could not be
+        made: the group stays on gloo from then on."""
+        if nbytes <= self.capacity:
+            return True
+        for held in self.inflight:
+            if held is not None:
+                held.wait()  # nothing may be read from the old segment after it is dropped
+        capacity = max(nbytes, min(max(2 * self.capacity, self.MIN_BYTES), self.MAX_BYTES))
+        capacity = -(-capacity // _PAGE) * _PAGE
+        control = -(-8 * (2 * self.WINDOW + 1) * self.n // _PAGE) * _PAGE
+        size = control + self.WINDOW * self.n * capacity
+        self.generation += 1
+        path = f"{self.path}-{self.generation}"
+        made = self.me != 0 or _create(path, size)
+        fd = None
+        if self._all(made):  # also the barrier: the file exists for everyone after it
+            try:
+                fd = os.open(path, os.O_RDWR)
+                mapped = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            except OSError:
+                mapped = None
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            ok = self._all(mapped is not None)
+        else:
+            ok, mapped = False, None
+        if self.me == 0:
+            try:
+                os.unlink(path)  # every rank has mapped it (or given up): the name is not needed
+            except OSError:
+                pass
+        if not ok:
+            self.usable = False
+            return False
+        self._mapping = mapped
+        self._bytes = torch.frombuffer(mapped, dtype=torch.uint8)
+        flags = memoryview(mapped)[:control].cast("q")
+        self._arrive = flags[:self.WINDOW * self.n]
+        self._depart = flags[self.WINDOW * self.n:2 * self.WINDOW * self.n]
+        pids = flags[2 * self.WINDOW * self.n:(2 * self.WINDOW + 1) * self.n]
+        pids[self.me] = os.getpid()
+        self._all(True)  # everyone's pid is written
+        self.pids = [pids[r] for r in range(self.n)]
+        self._control, self.capacity = control, capacity
+        self.floor = self.seq
+        return True
+
+    def _all(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (a gloo all-reduce: a barrier too)."""
+        t = torch.tensor([0 if flag else 1], dtype=torch.int32)
+        dist.all_reduce(t, group=self.group)
+        return int(t) == 0
+
+
+class _Transfer:
+    """A collective started on a :class:`SharedMemoryGroup`: torch.distributed's work handle."""
+
+    def __init__(self, owner, seq, slot, payload, deliver):
+        self.owner, self.seq, self.slot, self.payload, self.deliver = owner, seq, slot, payload, deliver
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done or self.owner._arrived(self.slot, self.seq)
+
+    def wait(self, *args) -> bool:
+        if not self.done:
+            self.owner._finish(self)
+            self.done = True
+            self.payload = self.deliver = None
+        return True
+
+
+def _create(path: str, size: int) -> bool:
+    """A new file of ``size`` bytes, all reserved (False where /dev/shm cannot hold it)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return True
+    except OSError:
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a stopped one does; an exited, unreaped one not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
