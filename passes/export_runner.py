@@ -741,7 +741,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
     train = args.steps > 0
     zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
     say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
-        f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes), "
+        f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes"
+        f"{', collectives through shared memory' if 'shared memory' in backend.transports.values() else ''}), "
         + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
            if train else "forward only"))
     if doc.get("pipeline"):

@@ -314,6 +314,9 @@ def test_quickstart_runs_end_to_end():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check passed: sharded plan equals the unsharded model" in proc.stdout
     assert "check passed: outputs and gradients equal the unsharded model's on all 4 ranks" in proc.stdout
+    from autoshard.runtime.shm import usable_here
+    if usable_here():  # one host: run.py says its collectives go through shared memory
+        assert "(4 gloo processes, collectives through shared memory)" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------

@@ -125,24 +125,32 @@ def unavailable_worker(rank, world, broken):
             def mmap(*args, **kwargs):
                 raise OSError("cannot map")
         shm.mmap = _NoMap  # another IPC namespace: the file is not there to map
+    if broken == "grow" and rank == 0:
+        make = shm._create
+        shm._create = lambda path, size: size < (20 << 20) and make(path, size)  # room for 1 MiB slots only
     mesh = Mesh({"x": world})
     backend = DistributedBackend(mesh)
-    x = _inputs(rank, 7, 1000, torch.float32)
+    group = backend._shm["x"]
+    results = []
     with rank_context(mesh, rank, backend):
-        summed = backend.all_reduce(x, "x")
-        gathered = backend.all_gather(x, "x", 0)
+        for numel in (1000, 1 << 20, 1000):  # 4 KB, 4 MiB (needs a larger segment), 4 KB
+            x = _inputs(rank, numel, numel, torch.float32)
+            results.append((backend.all_reduce(x, "x"), backend.all_gather(x, "x", 0), group.capacity))
     dist.barrier()
-    return backend._shm["x"].usable, summed, gathered, _segments()
+    return group.usable, group.too_big, results, _segments()
 
 
-@pytest.mark.parametrize("broken", ["create", "map"])
-def test_a_segment_that_cannot_be_made_leaves_every_rank_on_gloo(broken):
-    results = spawn(unavailable_worker, 2, broken, timeout=120)
-    parts = [_inputs(r, 7, 1000, torch.float32) for r in range(2)]
-    for usable, summed, gathered, left in results:
-        assert usable is False
-        assert torch.equal(summed, parts[0] + parts[1]) and torch.equal(gathered, torch.cat(parts))
-        assert left == []
+@pytest.mark.parametrize("broken", ["create", "map", "grow"])
+def test_a_segment_that_cannot_be_made_leaves_its_payloads_on_gloo(broken):
+    """No segment at all: every collective through gloo, on every rank. A larger one not
+    possible: the 4 MiB payload through gloo, the small ones still through the 1 MiB slots."""
+    for usable, too_big, results, left in spawn(unavailable_worker, 2, broken, timeout=120):
+        assert usable is (broken == "grow") and left == []
+        assert too_big == (4 << 20 if broken == "grow" else shm.SharedMemoryGroup.MAX_BYTES + 1)
+        assert [capacity for *_, capacity in results] == ([1 << 20] * 3 if broken == "grow" else [0] * 3)
+        for (summed, gathered, _), numel in zip(results, (1000, 1 << 20, 1000)):
+            parts = [_inputs(r, numel, numel, torch.float32) for r in range(2)]
+            assert torch.equal(summed, parts[0] + parts[1]) and torch.equal(gathered, torch.cat(parts))
 
 
 def lost_peer_worker(rank, world, how):

@@ -27,8 +27,9 @@ The segment is created by the group's first rank with room for the largest paylo
 replaced by a larger one when a payload does not fit: every rank sees the same sizes, so all
 replace it at the same collective), mapped by the others, and unlinked as soon as all have
 mapped it: nothing stays in ``/dev/shm`` after the job, whatever way it ends. Its memory is
-reserved when it is created (``posix_fallocate``), so a full ``/dev/shm`` fails there, and the
-group then stays on gloo, instead of failing a write later.
+reserved when it is created (``posix_fallocate``), so a full ``/dev/shm`` fails there instead
+of a write later: payloads too large for the segment the group has then go through gloo (all
+of them, if it has none).
 
 A wait that sees no progress fails with :class:`CollectiveError` naming the ranks it waits for:
 after the group's timeout (a stalled peer), or as soon as a peer's process has exited.
@@ -113,7 +114,8 @@ class SharedMemoryGroup:
         self.floor = 0  # collectives before the current segment (all finished in the old one)
         self.capacity = 0  # bytes per slot; 0: no segment yet
         self.generation = 0
-        self.usable = True  # False after a segment could not be made: gloo from then on
+        self.usable = True  # False after no segment could be made: gloo from then on
+        self.too_big = self.MAX_BYTES + 1  # payloads of this size or more go through gloo
         self.inflight = [None] * self.WINDOW  # this rank's unfinished transfer per slot
         self.pids = []
 
@@ -123,8 +125,10 @@ class SharedMemoryGroup:
         """Whether the next collective, with per-rank payload ``t``, runs here; makes or grows
         the segment first where needed. Every rank of the group must call it for the same
         collective, and all get the same answer (these collectives' payloads have one size on
-        all ranks); False from then on if a segment could not be made."""
-        return self.usable and t.device.type == "cpu" and t.nbytes <= self.MAX_BYTES and self._ensure(t.nbytes)
+        all ranks). Where a larger segment could not be made, payloads that need it go through
+        gloo from then on (and all do where none could be made)."""
+        return (self.usable and t.device.type == "cpu" and t.nbytes < min(self.too_big, self.MAX_BYTES + 1)
+                and self._ensure(t.nbytes))
 
     # ``group`` and ``op`` are accepted as torch.distributed's calls pass them (the group is
     # this one; the op is always a sum).
@@ -233,7 +237,7 @@ class SharedMemoryGroup:
     def _ensure(self, nbytes) -> bool:
         """A segment whose slots hold ``nbytes``: made (or replaced by a larger one) by every
         rank of the group at the same collective. False (on every rank) where it could not be
-        made: the group stays on gloo from then on."""
+        made: the current segment, if any, stays for smaller payloads."""
         if nbytes <= self.capacity:
             return True
         for held in self.inflight:
@@ -265,7 +269,10 @@ class SharedMemoryGroup:
             except OSError:
                 pass
         if not ok:
-            self.usable = False
+            if self.capacity:
+                self.too_big = nbytes
+            else:
+                self.usable = False
             return False
         self._mapping = mapped
         self._bytes = torch.frombuffer(mapped, dtype=torch.uint8)
