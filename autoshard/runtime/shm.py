@@ -225,7 +225,7 @@ class SharedMemoryGroup:
             last_check = now
             waiting = [r for r in waiting if flags[row + r] < seq]
             for r in waiting:
-                if not _alive(self.pids[r]):
+                if self.pids[r] is not None and not _alive(self.pids[r]):
                     raise CollectiveError(
                         f"shared-memory collective {seq} of process group {self.ranks}: peer rank "
                         f"{self.ranks[r]} (pid {self.pids[r]}) exited before it could {what}")
@@ -282,7 +282,8 @@ class SharedMemoryGroup:
         pids = flags[2 * self.WINDOW * self.n:(2 * self.WINDOW + 1) * self.n]
         pids[self.me] = os.getpid()
         self._all(True)  # everyone's pid is written
-        self.pids = [pids[r] for r in range(self.n)]
+        # a peer in another pid namespace is not in /proc here: only the timeout watches it
+        self.pids = [pids[r] if _alive(pids[r]) else None for r in range(self.n)]
         self._control, self.capacity = control, capacity
         self.floor = self.seq
         return True
