@@ -44,6 +44,8 @@ def primitives_worker(rank, world):
     backend = DistributedBackend(mesh)
     assert backend.transports == {"x": "shared memory"}
     group = backend._shm["x"]
+    finish, two_steps = group._finish, []
+    group._finish = lambda transfer: (two_steps.append(transfer.two_steps), finish(transfer))[1]
     checked, case = [], 0
     with rank_context(mesh, rank, backend):
         # sizes from one element to 8 MiB per rank: the segment grows three times on the way
@@ -102,13 +104,14 @@ def primitives_worker(rank, world):
         torch.testing.assert_close(backend.all_reduce(big[rank], "x"), _ordered_sum(big), rtol=1e-6, atol=1e-6)
         assert group.capacity == capacity and group.usable
     dist.barrier()
-    return checked, capacity, group.generation, _segments()
+    return checked, capacity, group.generation, _segments(), sum(two_steps), len(two_steps)
 
 
 def test_every_primitive_through_shared_memory_equals_rank_order_sums_and_concatenation():
     results = spawn(primitives_worker, 4, timeout=180)
-    checked, capacity, generations, left = results[0]
+    checked, capacity, generations, left, in_parts, transfers = results[0]
     assert len(checked) == 5 * 6 + 11
+    assert 0 < in_parts < transfers  # all-reduces of 64 KiB or more on 4 ranks sum in parts, others at once
     assert capacity >= 2_000_000 * 4 * 4 and generations >= 3  # grew to the a2a payload of 8M floats x 4
     assert all(r[3] == [] for r in results), [r[3] for r in results]  # unlinked once mapped
 
