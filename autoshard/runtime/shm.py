@@ -110,6 +110,7 @@ class SharedMemoryGroup:
         self.ranks = dist.get_process_group_ranks(group)
         self.n, self.me = len(self.ranks), self.ranks.index(dist.get_rank())
         self.timeout_s = timeout_s
+        self.crowded = dist.get_world_size() > len(os.sched_getaffinity(0))  # more ranks than cores here
         self.path = f"/dev/shm/{name}-{min(self.ranks)}-{self.n}"
         self.seq = 0  # collectives started so far
         self.floor = 0  # collectives before the current segment (all finished in the old one)
@@ -225,9 +226,13 @@ class SharedMemoryGroup:
         if not waiting:
             return
         t0 = last_check = time.monotonic()
+        # Spin first (a peer about to arrive), then sleep in naps growing from 50 us. With more
+        # ranks than cores a waiting rank takes the CPU its peers compute on, by spinning and by
+        # every wake-up: there it spins 0.2 ms and naps up to 1 ms, else 2 ms and 0.2 ms.
+        spin, longest = (2e-4, 1e-3) if self.crowded else (2e-3, 2e-4)
         nap = 0.0
         while True:
-            for _ in range(256):
+            for _ in range(16):
                 if all(flags[row + r] >= seq for r in waiting):
                     return
                 if nap:
@@ -235,10 +240,8 @@ class SharedMemoryGroup:
                 else:
                     os.sched_yield()
             now = time.monotonic()
-            # Spin for the first 0.2 ms (a peer about to arrive), then sleep in short naps: with
-            # more ranks than cores, a spinning rank would take the CPU its peers compute on.
-            if now - t0 > 2e-4:
-                nap = 5e-5
+            if now - t0 > spin:
+                nap = min(longest, 2 * nap or 5e-5)
             if now - last_check < 0.2:
                 continue
             last_check = now
