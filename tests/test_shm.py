@@ -48,6 +48,8 @@ def primitives_worker(rank, world):
     group._finish = lambda transfer: (two_steps.append(transfer.two_steps), finish(transfer))[1]
     checked, case = [], 0
     with rank_context(mesh, rank, backend):
+        # an empty payload first: it makes the segment like any other
+        assert backend.all_reduce(torch.empty(0), "x").shape == (0,) and group.capacity > 0
         # sizes from one element to 8 MiB per rank: the segment grows three times on the way
         for numel, dtype in ((4, torch.float32), (4000, torch.float64), (300_000, torch.float32),
                              (2_000_000, torch.float32), (6000, torch.bfloat16)):

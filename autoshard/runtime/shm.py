@@ -260,7 +260,7 @@ class SharedMemoryGroup:
         """A segment whose slots hold ``nbytes``: made (or replaced by a larger one) by every
         rank of the group at the same collective. False (on every rank) where it could not be
         made: the current segment, if any, stays for smaller payloads."""
-        if nbytes <= self.capacity:
+        if self.capacity and nbytes <= self.capacity:
             return True
         for held in self.inflight:
             if held is not None:
