@@ -72,12 +72,12 @@ def test_pack_grads_layout_matches_blocks():
 @pytest.mark.parametrize("shapes", [[(3, 4), (0, 4), (5,), (2, 3)], [(6,)]], ids=["several", "one"])
 def test_bucket_flatten_is_its_own_buffer_and_unflatten_views_it(shapes):
     """The bucket buffer holds the gradients one after the other (a transposed one by value),
-    is new memory also for a single gradient (the all-reduce writes its sum into it), and the
-    views given back as gradients have each gradient's shape and alias the buffer."""
+    is not a view of them also for a single gradient (the all-reduce writes its sum into it),
+    and the views given back as gradients have each gradient's shape and alias the buffer."""
     ts = [torch.arange(float(torch.Size(s).numel())).reshape(s) + 10 * i for i, s in enumerate(shapes)]
     ts[0] = ts[0].t().contiguous().t() if ts[0].dim() == 2 else ts[0]  # non-contiguous where 2-d
     before = [t.clone() for t in ts]
-    flat = flatten(ts)
+    flat = flatten(ts, out=torch.empty(sum(t.numel() for t in ts)))
     assert flat.tolist() == [x for t in before for x in t.flatten().tolist()]
     into = torch.full((flat.numel(),), -1.0, dtype=torch.float64)  # a given buffer, another dtype
     assert flatten(ts, out=into) is into and into.tolist() == flat.tolist()

@@ -43,24 +43,18 @@ def assign_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list
     return buckets
 
 
-def flatten(tensors: list, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A 1-d tensor holding ``tensors`` one after the other (``torch.cat`` of their flattened
-    values): new, made in one C++ call (a bucket holds up to hundreds of gradients, and a Python
-    ``reshape`` per gradient costs more than the copy; measured: 196 gradients, 3.2 MB, 0.20 ms
-    against 0.31 ms for ``torch.cat`` of reshapes), or ``out`` filled by two (its views shaped
-    as ``tensors``, then one foreach copy, converting to ``out``'s dtype).
+def flatten(tensors: list, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (1-d) filled with ``tensors`` one after the other (``torch.cat`` of their
+    flattened values, converted to ``out``'s dtype), by two C++ calls: its views shaped as
+    ``tensors``, then one foreach copy (a bucket holds up to hundreds of gradients, and a Python
+    ``reshape`` per gradient would cost more than the copy).
 
     Example::
 
-        flatten([torch.ones(2, 2), torch.zeros(3)])   # tensor([1., 1., 1., 1., 0., 0., 0.])
+        flatten([torch.ones(2, 2), torch.zeros(3)], out=torch.empty(7))   # tensor([1., 1., 1., 1., 0., 0., 0.])
     """
-    if out is not None:
-        torch._foreach_copy_(unflatten(out, tensors), tensors)
-        return out
-    flat = torch._utils._flatten_dense_tensors(tensors)
-    # torch returns a view, not a copy, of a single tensor: the bucket's buffer must be its own
-    # (the all-reduce writes its sum into it)
-    return flat.clone() if len(tensors) == 1 else flat
+    torch._foreach_copy_(unflatten(out, tensors), tensors)
+    return out
 
 
 def unflatten(flat: torch.Tensor, like: list) -> list:
