@@ -181,19 +181,16 @@ class _Done:
 
 
 class _NoWire:
-    """``torch.distributed`` as autoshard's runtime sees it, with every transfer replaced by a
-    local copy into the output: the program computes, allocates and copies as it does over
-    gloo, only nothing crosses a process (its values are wrong). Used by ``--floor``."""
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
+    """The transport of autoshard's backend (``DistributedBackend._wire``) with every transfer
+    replaced by a local copy into the output: the program computes, allocates and copies as it
+    does over gloo, only nothing crosses a process (its values are wrong). Used by ``--floor``."""
 
     @staticmethod
     def all_reduce(t, *args, async_op=False, **kwargs):
         return _Done() if async_op else None
 
     @staticmethod
-    def all_gather_into_tensor(out, t, *args, async_op=False, **kwargs):
+    def all_gather_single(out, t, *args, async_op=False, **kwargs):
         out.view(-1, t.numel()).copy_(t.reshape(1, -1))
         return _Done() if async_op else None
 
@@ -205,16 +202,12 @@ class _NoWire:
 
 def wire_free(step):
     """``step`` (an autoshard runtime's) run with its collectives' transfers removed."""
-    from autoshard.runtime import distributed as runtime_dist
-
     def floor_step():
-        saved = runtime_dist.dist, runtime_dist._all_gather_1, step.backend._shm
-        runtime_dist.dist, runtime_dist._all_gather_1 = _NoWire(), _NoWire.all_gather_into_tensor
-        step.backend._shm = {}  # every collective through the patched module
+        step.backend._wire = lambda axis, payload: _NoWire  # every collective's transport
         try:
             step()
         finally:
-            runtime_dist.dist, runtime_dist._all_gather_1, step.backend._shm = saved
+            del step.backend._wire
     return floor_step
 
 

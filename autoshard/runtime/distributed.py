@@ -50,20 +50,11 @@ _reduce_scatter_1 = getattr(dist, "reduce_scatter_single", None) or dist.reduce_
 
 
 class _Gloo:
-    """torch.distributed's tensor-form collectives under :class:`SharedMemoryGroup`'s names
-    (looked up at each call)."""
+    """torch.distributed's tensor-form collectives under :class:`SharedMemoryGroup`'s names."""
 
-    @staticmethod
-    def all_reduce(*args, **kwargs):
-        return dist.all_reduce(*args, **kwargs)
-
-    @staticmethod
-    def all_gather_single(*args, **kwargs):
-        return _all_gather_1(*args, **kwargs)
-
-    @staticmethod
-    def all_to_all_single(*args, **kwargs):
-        return dist.all_to_all_single(*args, **kwargs)
+    all_reduce = staticmethod(dist.all_reduce)
+    all_gather_single = staticmethod(_all_gather_1)
+    all_to_all_single = staticmethod(dist.all_to_all_single)
 
 
 def _group_timeout(group):
