@@ -72,23 +72,24 @@ def usable_here() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
-def all_on_this_host(group=None) -> bool:
-    """Whether every rank of ``group`` (default: the world) runs on this machine: a collective
-    over the group (every rank must call it)."""
+def all_on_this_host() -> bool:
+    """Whether every rank of the job runs on this machine: a collective (every rank must call
+    it)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, (socket.gethostname(), boot), group=group)
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, (socket.gethostname(), boot))
     return len(set(hosts)) == 1
 
 
-def job_token(group=None) -> str:
-    """A name all ranks of ``group`` share and no other job has (rank 0's, broadcast)."""
+def job_token() -> str:
+    """A name all ranks of the job share and no other job has (rank 0's, broadcast): a
+    collective."""
     box = [secrets.token_hex(6)]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
