@@ -81,8 +81,8 @@ def call_mismatch(planned, given, arg_names=()) -> str:
 
     >>> from torch.utils import _pytree as pytree
     >>> spec = lambda *a, **k: pytree.tree_flatten((a, k))[1]
-    >>> call_mismatch(spec(1, mask=2), spec(1))
-    'keyword input mask is missing: the plan was made for keyword inputs [\'mask\'], got none (plan again for these inputs)'
+    >>> print(call_mismatch(spec(1, mask=2), spec(1)))
+    keyword input mask is missing: the plan was made for keyword inputs ['mask'], got none (plan again for these inputs)
     """
     (p_args, p_kw), (g_args, g_kw) = planned.children(), given.children()
     hint = "(plan again for these inputs)"
