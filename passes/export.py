@@ -685,7 +685,11 @@ def simulate_run(path, *argv: str) -> list:
         res["lines"] = lines if rank == 0 else []
         return res
 
-    return run_simulated(mesh, rank_fn)
+    try:
+        return run_simulated(mesh, rank_fn)
+    finally:
+        if loop.get("lock"):
+            loop["lock"].release()
 
 
 # pipelined plans (a program file per stage); imported last: it builds on this module

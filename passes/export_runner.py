@@ -711,6 +711,8 @@ def run(root: Path, args) -> int:
     dist.barrier()
     beat.stop()
     dist.destroy_process_group()
+    if ctx["loop"].get("lock"):
+        ctx["loop"]["lock"].release()
     return rc
 
 
@@ -859,15 +861,48 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
         if args.synthetic or args.inputs:
             raise RunError("--data excludes --synthetic and --inputs")
         loop["data"] = TokenData(Path(args.data), args.data_dtype, doc)
+    loop["warnings"] = []
     if args.resume:
+        skipped = []
         try:
-            loop["resume"] = ckpt.resolve(args.resume)
-            ckpt.read_manifest(loop["resume"])
+            loop["resume"] = ckpt.resolve(args.resume, skipped)
+            manifest = ckpt.read_manifest(loop["resume"])
         except ckpt.CheckpointError as e:
             raise RunError(f"--resume: {e}") from None
+        loop["warnings"] += [f"--resume skipped {name}: {why}" for name, why in skipped]
+        loop["warnings"] += resume_mismatches(loop["resume"], manifest, args)
     if args.ckpt:
         check_ckpt_dir(Path(args.ckpt), checkpoint_bytes(doc, args.optimizer))
+        if _env_int("RANK", 0) == 0:  # the job's first process holds the directory for the job
+            try:
+                loop["lock"], dead = ckpt.DirectoryLock.take(args.ckpt)
+            except ckpt.DirectoryHeld as e:
+                raise RunError(f"--ckpt {e}") from None
+            if dead is not None:
+                loop["warnings"].append(f"--ckpt {args.ckpt} was held by a job that ended without releasing it "
+                                        f"({ckpt.describe_holder(dead)}); this job takes it over")
     return loop
+
+
+def resume_mismatches(path: Path, manifest: dict, args) -> list:
+    """Warnings where the resumed run differs from the checkpoint's run in its data (another
+    token file, or none); RunError where the checkpoint's state cannot apply (another optimizer)."""
+    extra = manifest.get("extra") or {}
+    saved_opt, saved_data = extra.get("optimizer"), extra.get("data")
+    if saved_opt is not None and saved_opt != args.optimizer:
+        raise RunError(f"--resume: {path} was trained with --optimizer {saved_opt}; its optimizer state does not "
+                       f"apply to --optimizer {args.optimizer} (hint: --optimizer {saved_opt})")
+    if saved_data is None:
+        return [f"--resume: {path}'s run had no --data; this one reads {args.data}"] if args.data else []
+    if not args.data:
+        return [f"--resume: {path}'s run read --data {saved_data['file']} (to token {extra.get('data_position', 0)}); "
+                f"this one has no --data and trains on its saved inputs"]
+    now = ckpt.data_identity(args.data)
+    if (now["bytes"], now["sha256_first_mib"]) != (saved_data["bytes"], saved_data["sha256_first_mib"]):
+        return [f"--resume: --data {args.data} ({now['bytes']} bytes) is not the file {path}'s run read "
+                f"({saved_data['file']}, {saved_data['bytes']} bytes): training goes on from token "
+                f"{extra.get('data_position', 0)} of another file"]
+    return []
 
 
 def checkpoint_bytes(doc: dict, optimizer: str) -> int:
@@ -1031,6 +1066,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     schedule over the step's microbatches); both give ``train_step``, ``step_loss``,
     ``clip_grad_norm_``, ``step`` and ``local``."""
     doc, mesh = rp.doc, rp.mesh
+    for warning in loop.get("warnings", ()):
+        say(f"warning: {warning}")
     rp.make_optimizer(args.optimizer, args.lr)
     opt, start, pos, schedule, manifest = rp.opt, 0, 0, dict(loop["schedule"]), None
     if loop.get("resume"):
@@ -1050,6 +1087,7 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             scheduler.load_state_dict(extra["scheduler"])
         say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
     data, end = loop.get("data"), start + args.steps
+    data_id = ckpt.data_identity(data.path) if data else None
     tokens = data.per_batch if data else None
     info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
             "state_dict_keys": doc.get("state_dict_keys")}
@@ -1086,7 +1124,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end):
                 path = Path(args.ckpt) / f"step-{step:06d}"
                 ckpt.save(rp.local, opt, path, step=step, info=info,
-                          extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict()})
+                          extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict(),
+                                 "optimizer": args.optimizer, "data": data_id})
                 say(f"saved checkpoint {path}")
     finally:
         if metrics:
