@@ -24,6 +24,8 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from autoshard.runtime.inputs import InputMismatchError
+
 from .decompose import decompose
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
@@ -68,8 +70,46 @@ class Captured:
         """Leaves of (args, kwargs) in the order of the user placeholders."""
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_spec:
-            raise ValueError(f"arguments do not match the captured call: expected {self.in_spec}, got {spec}")
+            raise InputMismatchError(call_mismatch(self.in_spec, spec, self.arg_names))
         return flat
+
+
+def call_mismatch(planned, given, arg_names=()) -> str:
+    """One line saying how a call's (args, kwargs) structure differs from the planned one: the
+    positional arguments' count, the keyword inputs missing or unexpected, or the first argument
+    whose nesting differs.
+
+    >>> from torch.utils import _pytree as pytree
+    >>> spec = lambda *a, **k: pytree.tree_flatten((a, k))[1]
+    >>> print(call_mismatch(spec(1, mask=2), spec(1)))
+    keyword input mask is missing: the plan was made for keyword inputs ['mask'], got none (plan again for these inputs)
+    """
+    (p_args, p_kw), (g_args, g_kw) = planned.children(), given.children()
+    hint = "(plan again for these inputs)"
+    if p_args.num_children != g_args.num_children:
+        return (f"the call has {g_args.num_children} positional argument(s); the plan was made for "
+                f"{p_args.num_children} {hint}")
+    p_keys, g_keys = list(p_kw.context or []), list(g_kw.context or [])
+    missing = [k for k in p_keys if k not in g_keys]
+    extra = [k for k in g_keys if k not in p_keys]
+    if missing or extra:
+        parts = ([f"keyword input{'s' * (len(missing) > 1)} {', '.join(missing)} "
+                  f"{'are' if len(missing) > 1 else 'is'} missing"] if missing else []) + \
+                ([f"keyword input{'s' * (len(extra) > 1)} {', '.join(extra)} not planned"] if extra else [])
+        return f"{'; '.join(parts)}: the plan was made for keyword inputs {p_keys}, got {g_keys or 'none'} {hint}"
+    for i in range(p_args.num_children):
+        if p_args.child(i) != g_args.child(i):
+            name = arg_names[i] if i < len(arg_names) else f"args[{i}]"
+            return (f"argument {name} is nested as {_one_line(g_args.child(i))}; the plan was made for "
+                    f"{_one_line(p_args.child(i))} {hint}")
+    for k in p_keys:
+        if p_kw.child(p_keys.index(k)) != g_kw.child(g_keys.index(k)):
+            return f"keyword input {k} is nested differently than in the planned call {hint}"
+    return f"the call's arguments are ordered or nested differently than the planned call's {hint}"
+
+
+def _one_line(spec) -> str:
+    return " ".join(str(spec).split())
 
 
 def _user_input_paths(args, kwargs, arg_names) -> list[str]:

@@ -303,14 +303,21 @@ def _int_bound(plan, node_name: str, example) -> Optional[int]:
     else the rows of the embedding table it indexes."""
     if isinstance(example, torch.Tensor) and example.numel() and not example.is_meta:
         return int(example.max().item()) + 1
+    return _embedding_rows(plan, node_name)
+
+
+def _embedding_rows(plan, node_name: str) -> Optional[int]:
+    """Rows of the (smallest) embedding table an integer input indexes directly: the ids it may
+    hold (run.py's --data refuses a token outside them, naming the file and position)."""
+    rows = []
     for node in plan.captured.graph.nodes:
         if node.op == "placeholder" and node.name == node_name:
             for user in node.users:
-                if user.target == torch.ops.aten.embedding.default:
+                if user.target == torch.ops.aten.embedding.default and user.args[1] is node:
                     w = user.args[0].meta.get("val")
                     if isinstance(w, torch.Tensor):
-                        return int(w.shape[0])
-    return None
+                        rows.append(int(w.shape[0]))
+    return min(rows) if rows else None
 
 
 def _placeholders(plan):
@@ -357,6 +364,7 @@ def _inputs_meta(plan, user_examples: Optional[list]) -> list:
                         entry["zero1"] = {"axis": axes[0], "dim": d}
             if inp.kind == "user" and not val.dtype.is_floating_point and val.dtype != torch.bool:
                 entry["high"] = _int_bound(plan, inp.name, example)
+                entry["vocab"] = _embedding_rows(plan, inp.name)
         else:
             entry.update(shape=None, value=_jsonable(example) if example is not None else None)
         meta.append(entry)
@@ -677,7 +685,11 @@ def simulate_run(path, *argv: str) -> list:
         res["lines"] = lines if rank == 0 else []
         return res
 
-    return run_simulated(mesh, rank_fn)
+    try:
+        return run_simulated(mesh, rank_fn)
+    finally:
+        if loop.get("lock"):
+            loop["lock"].release()
 
 
 # pipelined plans (a program file per stage); imported last: it builds on this module

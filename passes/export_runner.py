@@ -24,6 +24,8 @@ It needs the installed autoshard runtime (collectives, DistributedBackend), not 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 import importlib.util
 import json
 import math
@@ -691,6 +693,10 @@ def run(root: Path, args) -> int:
     beat = Heartbeat(store, rank)
     try:
         rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
+    except RunError as e:  # found by every rank at the same point (a bad token in --data)
+        if rank == 0:
+            print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+        rc = EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
         if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
             # peers are stopped or gone: tearing the group down could block or abort
@@ -705,6 +711,8 @@ def run(root: Path, args) -> int:
     dist.barrier()
     beat.stop()
     dist.destroy_process_group()
+    if ctx["loop"].get("lock"):
+        ctx["loop"]["lock"].release()
     return rc
 
 
@@ -740,9 +748,10 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
     backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
     train = args.steps > 0
     zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
+    transports = backend.connect()  # every rank: the segments are made now, so the line says what is used
     say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
         f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes"
-        f"{', collectives through shared memory' if 'shared memory' in backend.transports.values() else ''}), "
+        f"{', collectives through shared memory' if 'shared memory' in transports.values() else ''}), "
         + (f"{args.steps} training step{'s' if args.steps != 1 else ''} ({args.optimizer}, lr {args.lr:g})"
            if train else "forward only"))
     if doc.get("pipeline"):
@@ -852,13 +861,82 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
         if args.synthetic or args.inputs:
             raise RunError("--data excludes --synthetic and --inputs")
         loop["data"] = TokenData(Path(args.data), args.data_dtype, doc)
+    loop["warnings"] = []
     if args.resume:
+        skipped = []
         try:
-            loop["resume"] = ckpt.resolve(args.resume)
-            ckpt.read_manifest(loop["resume"])
+            loop["resume"] = ckpt.resolve(args.resume, skipped)
+            manifest = ckpt.read_manifest(loop["resume"])
         except ckpt.CheckpointError as e:
             raise RunError(f"--resume: {e}") from None
+        loop["warnings"] += [f"--resume skipped {name}: {why}" for name, why in skipped]
+        loop["warnings"] += resume_mismatches(loop["resume"], manifest, args)
+    if args.ckpt:
+        check_ckpt_dir(Path(args.ckpt), checkpoint_bytes(doc, args.optimizer))
+        if _env_int("RANK", 0) == 0:  # the job's first process holds the directory for the job
+            try:
+                loop["lock"], dead = ckpt.DirectoryLock.take(args.ckpt)
+            except ckpt.DirectoryHeld as e:
+                raise RunError(f"--ckpt {e}") from None
+            if dead is not None:
+                loop["warnings"].append(f"--ckpt {args.ckpt} was held by a job that ended without releasing it "
+                                        f"({ckpt.describe_holder(dead)}); this job takes it over")
     return loop
+
+
+def resume_mismatches(path: Path, manifest: dict, args) -> list:
+    """Warnings where the resumed run differs from the checkpoint's run in its data (another
+    token file, or none); RunError where the checkpoint's state cannot apply (another optimizer)."""
+    extra = manifest.get("extra") or {}
+    saved_opt, saved_data = extra.get("optimizer"), extra.get("data")
+    if saved_opt is not None and saved_opt != args.optimizer:
+        raise RunError(f"--resume: {path} was trained with --optimizer {saved_opt}; its optimizer state does not "
+                       f"apply to --optimizer {args.optimizer} (hint: --optimizer {saved_opt})")
+    if saved_data is None:
+        return [f"--resume: {path}'s run had no --data; this one reads {args.data}"] if args.data else []
+    if not args.data:
+        return [f"--resume: {path}'s run read --data {saved_data['file']} (to token {extra.get('data_position', 0)}); "
+                f"this one has no --data and trains on its saved inputs"]
+    now = ckpt.data_identity(args.data)
+    if (now["bytes"], now["sha256_first_mib"]) != (saved_data["bytes"], saved_data["sha256_first_mib"]):
+        return [f"--resume: --data {args.data} ({now['bytes']} bytes) is not the file {path}'s run read "
+                f"({saved_data['file']}, {saved_data['bytes']} bytes): training goes on from token "
+                f"{extra.get('data_position', 0)} of another file"]
+    return []
+
+
+def checkpoint_bytes(doc: dict, optimizer: str) -> int:
+    """Bytes of one whole checkpoint of this program (all ranks' pieces together): parameters
+    and buffers in their dtypes, and per trainable parameter the optimizer's per-element state
+    (AdamW 2, plain SGD none), in fp32 with an fp32 master copy for 16-bit parameters."""
+    states = {"adamw": 2, "sgd": 0}.get(optimizer, 2)
+    total = 0
+    for m in doc["inputs"]:
+        if m["kind"] not in ("parameter", "buffer") or m.get("shape") is None or m.get("role") == "full":
+            continue
+        n = math.prod(m["shape"])
+        size = torch.empty((), dtype=m["_dtype"]).element_size()
+        total += n * size
+        if m["kind"] == "parameter" and m.get("trainable"):
+            low = m["_dtype"] in (torch.bfloat16, torch.float16)
+            total += 4 * n * (states + (1 if low else 0)) if low else size * n * states
+    return total
+
+
+def check_ckpt_dir(path: Path, need: int) -> None:
+    """RunError unless ``--ckpt`` can take a checkpoint: the directory exists or can be made,
+    a file can be written in it, and its file system has ``need`` bytes free (one checkpoint's
+    size), so a run does not spend its training time before the first save fails."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise RunError(f"--ckpt {path} is not writable: {e.strerror or e}") from None
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise RunError(f"--ckpt {path} has {free / 2**20:,.1f} MiB free; one checkpoint of this program takes "
+                       f"{need / 2**20:,.1f} MiB (hint: free space or choose another --ckpt)")
 
 
 class TokenData:
@@ -888,6 +966,8 @@ class TokenData:
                 raise RunError(f"--data cannot fill input {m['target']} ({m['dtype']} {m['shape']}): it fills token "
                                f"inputs of shape {self.shape} (and masks of that shape with ones)")
         self.per_batch = math.prod(self.shape)
+        bounds = [(m["vocab"], m["target"]) for m in tokens if m.get("vocab")]
+        self.vocab, self.vocab_input = min(bounds) if bounds else (None, None)
         self.microbatches = (doc.get("pipeline") or {}).get("microbatches", 1)
         if not path.is_file():
             raise RunError(f"--data {path} does not exist")
@@ -917,12 +997,26 @@ class TokenData:
             raise RunError(f"--data {path} has {self.n} tokens, fewer than one global batch "
                            f"({'x'.join(map(str, self.shape))} = {self.per_batch})")
 
+    def check_vocab(self, chunk, pos: int) -> None:
+        """RunError naming the file, the position and the vocabulary when a token of the global
+        batch starting at ``pos`` indexes outside the embedding its input feeds. Every rank
+        checks the whole global batch (a few thousand ids), so all stop at the same step."""
+        if self.vocab is None:
+            return
+        ids = torch.as_tensor(chunk if isinstance(chunk, torch.Tensor) else chunk.astype("int64")).reshape(-1)
+        bad = ((ids < 0) | (ids >= self.vocab)).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            raise RunError(f"--data {self.path}: token {int(ids[k])} at position {pos + k} is outside the "
+                           f"vocabulary of {self.vocab} ids (the embedding that {self.vocab_input} indexes)")
+
     def batch(self, pos: int, mesh, rank: int):
         """(flat user inputs, next position): each token input is a global-shaped tensor in which
         only this rank's block was read from the file (the rest is never looked at)."""
         if pos + self.per_batch > self.n:
             pos = 0  # next epoch
         chunk = self.tokens[pos:pos + self.per_batch].reshape(self.shape)  # a view: nothing read yet
+        self.check_vocab(chunk, pos)
         out, cache = [], {}
         for m in self.users:
             if m.get("shape") is None:
@@ -972,6 +1066,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     schedule over the step's microbatches); both give ``train_step``, ``step_loss``,
     ``clip_grad_norm_``, ``step`` and ``local``."""
     doc, mesh = rp.doc, rp.mesh
+    for warning in loop.get("warnings", ()):
+        say(f"warning: {warning}")
     rp.make_optimizer(args.optimizer, args.lr)
     opt, start, pos, schedule, manifest = rp.opt, 0, 0, dict(loop["schedule"]), None
     if loop.get("resume"):
@@ -991,6 +1087,7 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             scheduler.load_state_dict(extra["scheduler"])
         say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
     data, end = loop.get("data"), start + args.steps
+    data_id = ckpt.data_identity(data.path) if data else None
     tokens = data.per_batch if data else None
     info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
             "state_dict_keys": doc.get("state_dict_keys")}
@@ -1027,7 +1124,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end):
                 path = Path(args.ckpt) / f"step-{step:06d}"
                 ckpt.save(rp.local, opt, path, step=step, info=info,
-                          extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict()})
+                          extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict(),
+                                 "optimizer": args.optimizer, "data": data_id})
                 say(f"saved checkpoint {path}")
     finally:
         if metrics:

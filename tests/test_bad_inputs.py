@@ -13,6 +13,7 @@ tests at the end.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import shutil
@@ -405,6 +406,10 @@ RUNPY = {
         placement=["S(0)", "R"])) or [], r"output 0 is sharded on dim 0, but it has 0 dims"),
     "bad_dtype_name": (lambda d, s: _edit_json(d, lambda doc: _user(doc, "input_ids").update(dtype="Tensor")) or [],
                        r"input 'input_ids' has dtype 'Tensor'"),
+    # a --ckpt directory that cannot take a checkpoint is refused before any step
+    "ckpt_dir_not_writable": (lambda d, s: (d / "a-file").write_text("") or
+                              ["--steps", "1", "--ckpt", str(d / "a-file" / "ck")],
+                              r"^--ckpt \S+/a-file/ck is not writable: "),
 }
 
 
@@ -420,6 +425,50 @@ def test_runpy_refuses_before_the_process_group(name, export_dir, tmp_path, monk
         R.prepare(d, R._parser().parse_args(argv))
     msg = str(info.value)
     assert "\n" not in msg and re.search(pattern, msg), f"{name}: {msg!r}"
+
+
+def test_runpy_refuses_a_ckpt_directory_without_room_for_one_checkpoint(export_dir, tmp_path, monkeypatch):
+    """Free space is checked against one checkpoint's size (parameters, buffers and the AdamW
+    state of every trainable parameter), before the process group starts."""
+    src, state, _ = export_dir
+    doc = R.read_plan(src)
+    params = sum(v.numel() * v.element_size() for v in state.values())  # all trainable fp32 (tied: once)
+    buffers = sum(4 * math.prod(m["shape"]) for m in doc["inputs"] if m["kind"] == "buffer")  # fp32 rope table
+    need = R.checkpoint_bytes(doc, "adamw")
+    assert need == 3 * params + buffers  # weights and AdamW's two moments
+    assert R.checkpoint_bytes(doc, "sgd") == params + buffers
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: usage._replace(free=need - 1))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(R.RunError, match=r"^--ckpt \S+ has [\d.,]+ MiB free; one checkpoint of this program takes "):
+        R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
+    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: usage._replace(free=need))
+    R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
+    assert list((tmp_path / "ck").iterdir()) == []  # the write test leaves nothing behind
+
+
+def _tokens_with(tmp_path, bad_at: int, value: int, n: int = 4 * 8 * 3):
+    tokens = torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(0)).to(torch.uint16)
+    tokens[bad_at] = value
+    path = tmp_path / "tokens.bin"
+    tokens.numpy().tofile(path)
+    return path
+
+
+def test_a_token_outside_the_vocabulary_names_file_position_and_vocabulary(export_dir, tmp_path):
+    """Every rank checks each global batch against the embedding's rows, so all stop at the same
+    step with one line (not one rank's IndexError)."""
+    from autoshard.passes.export import simulate_run
+
+    src, state, _ = export_dir
+    vocab = state["embed_tokens.weight"].shape[0]
+    assert _user(R.read_plan(src), "input_ids")["vocab"] == vocab
+    path = _tokens_with(tmp_path, 4 * 8 + 5, vocab)  # in the second batch
+    with pytest.raises(R.RunError, match=rf"--data \S+tokens.bin: token {vocab} at position 37 is outside the "
+                                         rf"vocabulary of {vocab} ids \(the embedding that input_ids indexes\)"):
+        simulate_run(src, "--steps", "3", "--data", str(path))
+    ok = _tokens_with(tmp_path, 4 * 8 + 5, vocab - 1)
+    assert len(simulate_run(src, "--steps", "3", "--data", str(ok))[0]["losses"]) == 3
 
 
 def test_runpy_checkpoint_with_every_key_is_exact(export_dir, tmp_path):
@@ -519,6 +568,19 @@ def test_a_killed_rank_ends_the_job(export_dir):
     # named by run.py's line when a peer notices first, else by torchrun's report of the failure
     assert re.search(r"run\.py: error: rank 1 stopped answering|rank +: 1 \(local_rank: 1\)\s+exitcode +: -9",
                      err), err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_token_outside_the_vocabulary_stops_every_rank_with_one_line(export_dir, tmp_path):
+    path, state, _ = export_dir
+    vocab = state["embed_tokens.weight"].shape[0]
+    proc = _torchrun(path, 4, "--steps", "3", "--data", str(_tokens_with(tmp_path, 4 * 8 + 5, vocab + 7)))
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0 and "step 1/3" in out and "step 2/3" not in out, (out, err[-3000:])
+    lines = [l for l in err.splitlines() if l.startswith("run.py: error:")]
+    assert lines == [f"run.py: error: --data {tmp_path / 'tokens.bin'}: token {vocab + 7} at position 37 is outside "
+                     f"the vocabulary of {vocab} ids (the embedding that input_ids indexes)"], err[-3000:]
+    assert "IndexError" not in err, err[-3000:]  # (the traceback torchrun prints is its own report)
 
 
 @pytest.mark.slow

@@ -334,3 +334,39 @@ def test_resume_is_bit_exact_with_mixed_precision_and_experts(tmp_path, kind):
         w = "layers.0.mlp.up_proj.weight" if "layers.0.mlp.up_proj.weight" in masters else next(iter(masters))
         assert masters[w]["fp32_master"].dtype == torch.float32
         assert torch.equal(masters[w]["fp32_master"].to(torch.bfloat16), state[w])
+
+
+def test_the_manifest_lists_what_dcp_wrote_not_what_the_directory_holds(tmp_path, monkeypatch):
+    """Data files removed while the save runs (another job cleaning the directory) fail the save:
+    the manifest comes from DCP's write results, so it can never mark an empty checkpoint
+    complete; a manifest that lists no data files is refused on load."""
+    import json
+    import torch.distributed.checkpoint.filesystem as fs
+
+    plan, _ = make_plan(DP_TP)
+    path = tmp_path / "ckpt"
+    real = fs._write_files_from_queue
+
+    def written_then_removed(*a, **k):
+        out = real(*a, **k)
+        for f in (tmp_path / ".ckpt.partial").glob("*.distcp"):
+            f.unlink()
+        return out
+
+    def save_fn(rank):
+        local = plan.build(rank)
+        plan.save_checkpoint(local, plan.optimizer(local, torch.optim.AdamW, lr=LR), path, step=0)
+
+    monkeypatch.setattr(fs, "_write_files_from_queue", written_then_removed)
+    with pytest.raises(CheckpointError, match=r"\.distcp is missing bytes after the save; DCP wrote \d+"):
+        run_simulated(plan.mesh, save_fn)
+    assert not path.exists()
+    monkeypatch.setattr(fs, "_write_files_from_queue", real)
+    run_simulated(plan.mesh, save_fn)
+    manifest = json.loads((path / "autoshard.json").read_text())
+    assert sorted(manifest["files"]) == sorted(f.name for f in path.iterdir() if f.name != "autoshard.json")
+    assert sum(n.endswith(".distcp") for n in manifest["files"]) >= 1 and ".metadata" in manifest["files"]
+    manifest["files"] = {".metadata": manifest["files"][".metadata"]}
+    (path / "autoshard.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="lists no data files"):
+        autoshard.consolidate(path)

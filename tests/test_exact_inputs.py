@@ -138,6 +138,29 @@ def test_other_inputs_than_planned_are_refused(call, pattern):
         plan.simulate_train([call])
 
 
+class WithMask(nn.Module):
+    def forward(self, x, mask=None):
+        return (x * mask).sum() if mask is not None else x.sum()
+
+
+@pytest.mark.parametrize("args,kwargs,pattern", [
+    ((torch.ones(4, 2),), {}, r"^keyword input mask is missing: the plan was made for keyword inputs \['mask'\], got none"),
+    ((torch.ones(4, 2),), {"mask": torch.ones(4, 2), "bias": 1.0},
+     r"^keyword input bias not planned: the plan was made for keyword inputs \['mask'\], got \['mask', 'bias'\]"),
+    ((torch.ones(4, 2), torch.ones(4, 2)), {}, r"^the call has 2 positional argument\(s\); the plan was made for 1"),
+])
+def test_a_call_of_another_structure_is_refused_in_one_line(args, kwargs, pattern):
+    """A keyword input left out (or added, or passed by position) is named, not shown as two
+    pytree specs."""
+    x = torch.randn(4, 2)
+    plan = autoshard.autoshard(WithMask(), (x,), {"mask": torch.ones(4, 2)}, mesh=Mesh({"dp": 2}),
+                               dims={"x": "batch h", "mask": "batch h"}, layout={"batch": "dp"})
+    for run in (plan.simulate, plan.simulate_grads):
+        with pytest.raises(autoshard.InputMismatchError, match=pattern) as e:
+            run(*args, **kwargs)
+        assert "\n" not in str(e.value) and "TreeSpec" not in str(e.value)
+
+
 def test_other_inputs_refused_in_run_rank():
     """run_rank (what a real process calls) checks too, inside the rank context."""
     from autoshard.runtime import run_simulated

@@ -3,6 +3,7 @@ scheduled steps with checkpoints every 10, then --resume for the last 10, gives 
 bit for bit as 30 steps straight (data position, schedule, clipping and optimizer state restored)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_torchrun_resume_gives_the_same_losses_as_straight(tmp_path):
     ck = tmp_path / "ck"
     out_a = torchrun(path, "--steps", "20", "--total-steps", "30", "--save-every", "10", "--ckpt", str(ck),
                      "--metrics", str(tmp_path / "a.jsonl"), *opts)
-    assert sorted(p.name for p in ck.iterdir()) == ["step-000010", "step-000020"]
+    assert sorted(p.name for p in ck.iterdir()) == [".autoshard-lock", "step-000010", "step-000020"]
     out_b = torchrun(path, "--resume", str(ck), "--steps", "10", "--metrics", str(tmp_path / "b.jsonl"), *opts)
     torchrun(path, "--steps", "30", "--metrics", str(tmp_path / "c.jsonl"), *opts)
     read = lambda name: [json.loads(l) for l in (tmp_path / name).read_text().splitlines()]  # noqa: E731
@@ -52,3 +53,54 @@ def test_torchrun_resume_gives_the_same_losses_as_straight(tmp_path):
     assert "step 1/20  loss " in out_a and "tokens/s" in out_a and "saved checkpoint" in out_a
     assert f"resumed from {ck / 'step-000020'} at step 20, token 640" in out_b and "step 30/30  loss" in out_b
     assert "done: 10 steps in" in out_b
+
+
+def test_a_second_job_on_a_held_ckpt_directory_stops_before_its_first_step(tmp_path):
+    """One job per --ckpt directory: a second job exits non-zero before training with one line
+    naming the holder; every checkpoint the first job marked complete loads and resumes to the
+    losses that job went on to print."""
+    import signal
+
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"},
+                               train=True)
+    path = plan.export(tmp_path / "out")
+    tokens = torch.randint(0, 64, (700,), generator=torch.Generator().manual_seed(3))
+    tokens.numpy().astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    ck, opts = tmp_path / "ck", ["--data", str(tmp_path / "tokens.bin"), "--lr", "1e-2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(torchrun_command(path, 2, "--steps", "100000", "--save-every", "3", "--ckpt", str(ck),
+                                              "--metrics", str(tmp_path / "a.jsonl"), *opts),
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        saved = 0
+        for line in first.stdout:  # the first job holds the directory and has saved
+            saved += line.startswith("saved checkpoint")
+            if saved == 2:
+                break
+        second = subprocess.run(torchrun_command(path, 2, "--steps", "4", "--save-every", "1", "--ckpt", str(ck),
+                                                 *opts), env=env, capture_output=True, text=True, timeout=300)
+        for line in first.stdout:
+            saved += line.startswith("saved checkpoint")
+            if saved == 4:
+                break
+    finally:
+        first.send_signal(signal.SIGTERM)  # torchrun passes it to its workers
+        first.communicate(timeout=120)
+    assert second.returncode != 0 and "step 1/" not in second.stdout, second.stdout[-2000:]
+    lines = [l for l in second.stderr.splitlines() if l.startswith("run.py: error:")]
+    assert len(lines) == 1 and re.match(rf"run\.py: error: --ckpt {re.escape(str(ck))} is in use by another job: "
+                                        rf"pid [0-9]+ on \S+ since ", lines[0]), second.stderr[-3000:]
+    losses = []
+    for l in (tmp_path / "a.jsonl").read_text().splitlines():
+        try:
+            losses.append(json.loads(l)["loss"])
+        except json.JSONDecodeError:  # the last line, cut by the kill
+            break
+    complete = [p for p in sorted(ck.glob("step-*")) if (p / "autoshard.json").is_file()]
+    assert len(complete) >= 4, sorted(p.name for p in ck.iterdir())
+    for p in complete:
+        assert sorted(autoshard.consolidate(p)) == sorted(model.state_dict()), p  # every one loads
+    k = int(complete[1].name.split("-")[1])  # a checkpoint the first job trained past
+    out = torchrun(path, "--resume", str(complete[1]), "--steps", "2", "--metrics", str(tmp_path / "b.jsonl"), *opts)
+    assert [json.loads(l)["loss"] for l in (tmp_path / "b.jsonl").read_text().splitlines()] == losses[k:k + 2], out

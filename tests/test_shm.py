@@ -198,3 +198,20 @@ def switch_worker(rank, world):
 def test_shared_memory_can_be_switched_off():
     for by_env, by_argument in spawn(switch_worker, 2, timeout=60):
         assert by_env == by_argument == {"x": "gloo"}
+
+
+def connect_worker(rank, world, broken):
+    if broken and rank == 0:
+        shm._create = lambda path, size: False  # /dev/shm full: posix_fallocate failed
+    backend = DistributedBackend(Mesh({"x": world}))
+    before = backend.transports
+    return before, backend.connect(), backend.transports, _segments()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_connect_reports_the_transport_the_collectives_use(broken):
+    """run.py's first line names the transport after connect(): shared memory only where the
+    segment was made (before, the backend can only say what it will try)."""
+    for before, connected, after, left in spawn(connect_worker, 2, broken, timeout=60):
+        assert before == {"x": "shared memory"} and left == []
+        assert connected == after == {"x": "gloo" if broken else "shared memory"}

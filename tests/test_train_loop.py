@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -83,7 +84,8 @@ def test_resume_continues_bit_exactly(export, tmp_path):
     straight = simulate_run(path, "--steps", "6", *data, *LOOP)[0]["losses"]
     first = simulate_run(path, "--steps", "4", "--total-steps", "6", "--save-every", "2", "--ckpt",
                          str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl"), *data, *LOOP)[0]
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".autoshard-lock", "step-000002", "step-000004"]
+    assert (tmp_path / "ck" / ".autoshard-lock").read_text() == ""  # released at the end of the run
     second = simulate_run(path, "--steps", "2", "--resume", str(tmp_path / "ck"), *data, *LOOP)[0]
     assert first["losses"] + second["losses"] == straight  # bit for bit
     assert second["lines"][0].startswith(f"resumed from {tmp_path / 'ck' / 'step-000004'} at step 4, token 128")
@@ -139,3 +141,71 @@ def test_loop_options_are_checked_before_running(export, tmp_path, monkeypatch):
     for argv, message in cases:
         with pytest.raises(R.RunError, match=message):
             R.prepare(path, R._parser().parse_args(argv))
+
+
+def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipped(export, tmp_path):
+    """A newest checkpoint with a manifest but a data file cut short (disk trouble) is skipped,
+    with the reason, for the newest complete one; consolidate() of the directory does the same."""
+    path, _, base = export
+    data = ["--data", str(base / "tokens.bin")]
+    straight = simulate_run(path, "--steps", "6", *data, *LOOP)[0]["losses"]
+    ck = tmp_path / "ck"
+    simulate_run(path, "--steps", "4", "--total-steps", "6", "--save-every", "2", "--ckpt", str(ck), *data, *LOOP)
+    torn = next(f for f in (ck / "step-000004").iterdir() if f.suffix == ".distcp")
+    torn.write_bytes(torn.read_bytes()[:100])
+    res = simulate_run(path, "--steps", "4", "--resume", str(ck), *data, *LOOP)[0]
+    assert re.fullmatch(rf"warning: --resume skipped step-000004: checkpoint {re.escape(str(ck / 'step-000004'))} "
+                        rf"is incomplete: {torn.name} is 100 bytes, the save wrote \d+ bytes", res["lines"][0])
+    assert res["lines"][1].startswith(f"resumed from {ck / 'step-000002'} at step 2")
+    assert straight[:2] + res["losses"] == straight  # bit for bit from step 2
+    whole = autoshard.consolidate(ck)
+    assert all(torch.equal(whole[k], v) for k, v in autoshard.consolidate(ck / "step-000002").items())
+
+
+def test_resume_with_other_data_or_optimizer_is_said(export, tmp_path):
+    path, tokens, base = export
+    ck = tmp_path / "ck"
+    simulate_run(path, "--steps", "2", "--ckpt", str(ck), "--data", str(base / "tokens.bin"), *LOOP)
+    other = tmp_path / "other.bin"
+    (tokens.flip(0)).numpy().astype(np.uint16).tofile(other)
+    res = simulate_run(path, "--steps", "1", "--resume", str(ck), "--data", str(other), *LOOP)[0]
+    assert re.fullmatch(rf"warning: --resume: --data {re.escape(str(other))} \(\d+ bytes\) is not the file "
+                        rf"{re.escape(str(ck / 'step-000002'))}'s run read \(tokens.bin, \d+ bytes\): training goes on "
+                        rf"from token 64 of another file", res["lines"][0]), res["lines"][0]
+    res = simulate_run(path, "--steps", "1", "--resume", str(ck), *LOOP)[0]
+    assert res["lines"][0].startswith(f"warning: --resume: {ck / 'step-000002'}'s run read --data tokens.bin (to "
+                                      f"token 64); this one has no --data"), res["lines"][0]
+    res = simulate_run(path, "--steps", "1", "--resume", str(ck), "--data", str(base / "tokens.bin"), *LOOP)[0]
+    assert not any(l.startswith("warning:") for l in res["lines"])  # the same file: nothing to say
+    with pytest.raises(R.RunError, match=r"^--resume: \S+step-000002 was trained with --optimizer adamw; its "
+                                         r"optimizer state does not apply to --optimizer sgd \(hint: --optimizer adamw\)$"):
+        simulate_run(path, "--steps", "1", "--resume", str(ck), "--optimizer", "sgd", *LOOP)
+
+
+def test_a_ckpt_directory_is_held_by_one_job_and_a_dead_holder_is_taken_over(tmp_path):
+    import subprocess
+    import textwrap
+
+    from autoshard.runtime import checkpoint as ckpt
+
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from autoshard.runtime.checkpoint import DirectoryLock
+        DirectoryLock.take({str(tmp_path)!r})
+        print("held", flush=True)
+        time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ckpt.DirectoryHeld, match=rf"^{re.escape(str(tmp_path))} is in use by another job: pid "
+                                                      rf"{holder.pid} on \S+ since .*\(hint: let it finish"):
+            ckpt.DirectoryLock.take(tmp_path)
+    finally:
+        holder.kill()  # SIGKILL: no handler runs, the kernel drops its lock
+        holder.wait()
+    lock, dead = ckpt.DirectoryLock.take(tmp_path)
+    assert dead["pid"] == holder.pid
+    lock.release()
+    lock, dead = ckpt.DirectoryLock.take(tmp_path)
+    assert dead is None  # a released lock leaves no record
+    lock.release()

@@ -35,12 +35,17 @@ Example (inside each rank's context)::
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
 import io
 import json
 import math
 import os
 import pickle
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,7 @@ from .distributed import DistributedBackend
 
 FORMAT, VERSION = "autoshard-checkpoint", 1
 MANIFEST = "autoshard.json"
+METADATA = ".metadata"  # DCP's own file (its FileSystemWriter's name)
 MODEL, OPTIM = "model.", "optim."
 MASTER = "fp32_master"
 
@@ -307,7 +313,7 @@ def save(local, optimizer, path, *, step: int | None = None, extra: dict | None 
             if optimizer is not None else None
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra or {},
                     "mesh": dict(ctx.mesh.axes), "param_groups": groups, **(info or {}),
-                    "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
+                    "files": written_files(tmp, all_results)}
         text = json.dumps(manifest, indent=1, default=_json_default) + "\n"
         (tmp / (MANIFEST + ".tmp")).write_text(text)
         with open(tmp / (MANIFEST + ".tmp"), "rb") as f:
@@ -323,6 +329,27 @@ def save(local, optimizer, path, *, step: int | None = None, extra: dict | None 
             tmp.rename(path)
     barrier()  # nobody reads the checkpoint before it is complete
     return path
+
+
+def written_files(directory: Path, results: list) -> dict:
+    """{file name: bytes} of what DCP reports it wrote (every rank's write results: file, offset
+    and length of each item) and of its metadata file; not a listing of ``directory``, which
+    another writer could have changed. A file shorter than DCP's report fails the save."""
+    files: dict = {}
+    for rank_results in results:
+        for r in rank_results:
+            info = r.storage_data
+            name = Path(info.relative_path).name
+            files[name] = max(files.get(name, 0), int(info.offset) + int(info.length))
+    if not files:
+        raise CheckpointError(f"checkpoint {directory}: DCP reports no data written")
+    for name, size in files.items():
+        got = (directory / name).stat().st_size if (directory / name).is_file() else None
+        if got is None or got < size:
+            raise CheckpointError(f"checkpoint {directory}: {name} is {got if got is not None else 'missing'} "
+                                  f"bytes after the save; DCP wrote {size}")
+    files[METADATA] = (directory / METADATA).stat().st_size
+    return dict(sorted(files.items()))
 
 
 def _json_default(x):
@@ -357,7 +384,11 @@ def read_manifest(path) -> dict:
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}; this autoshard reads {FORMAT!r} version {VERSION}")
-    for name, size in (manifest.get("files") or {}).items():
+    files = manifest.get("files") or {}
+    if METADATA not in files or not any(n != METADATA for n in files):
+        raise CheckpointError(f"checkpoint {path} is corrupted: its {MANIFEST} lists no data files "
+                              f"(written while another job used the directory?); nothing was loaded")
+    for name, size in files.items():
         f = path / name
         if not f.is_file() or f.stat().st_size != size:
             got = f"{f.stat().st_size} bytes" if f.is_file() else "missing"
@@ -504,7 +535,9 @@ def consolidate(path) -> dict:
     Example::
 
         model.load_state_dict(autoshard.consolidate("ckpt/step-10"))
+        model.load_state_dict(autoshard.consolidate("ckpt"))   # a run's --ckpt: its newest verified one
     """
+    path = resolve(path)
     manifest = read_manifest(path)
     state = {k[len(MODEL):]: v for k, v in load_global(path, MODEL).items()}
     for alias, kept in (manifest.get("aliases") or {}).items():
@@ -529,7 +562,7 @@ def consolidate_optimizer(path) -> dict:
         moments = consolidate_optimizer("ckpt/step-10")["embed.weight"]["exp_avg"]
     """
     out: dict = {}
-    for key, t in load_global(path, OPTIM).items():
+    for key, t in load_global(resolve(path), OPTIM).items():
         fqn, name = key[len(OPTIM):].rsplit(".", 1)
         out.setdefault(fqn, {})[name] = t
     return out
@@ -544,6 +577,7 @@ def load_into_module(model, optimizer, path) -> dict:
 
         info = load_into_module(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "ckpt/step-10")
     """
+    path = resolve(path)
     manifest = read_manifest(path)
     model.load_state_dict(consolidate(path), strict=True)
     if optimizer is not None:
@@ -562,18 +596,117 @@ def load_into_module(model, optimizer, path) -> dict:
     return manifest
 
 
-def resolve(path) -> Path:
-    """``path`` itself when it is a checkpoint, else its newest complete ``step-*`` checkpoint
-    (a training run's ``--ckpt`` directory); CheckpointError when there is none."""
+def resolve(path, skipped: list | None = None) -> Path:
+    """``path`` itself when it is a checkpoint, else the newest ``step-*`` checkpoint of a
+    training run's ``--ckpt`` directory that verifies (its manifest and every file it lists, at
+    the size the save wrote); the newer ones that do not are appended to ``skipped`` as
+    ``(name, why)``. CheckpointError when none verifies.
+
+    Example::
+
+        skipped = []
+        newest = resolve("ck", skipped)     # ck/step-000004, skipped [("step-000006", "... incomplete ...")]
+    """
     path = Path(path)
     if (path / MANIFEST).is_file() or partial_dir(path).is_dir() or not path.is_dir():
         return path
     steps = sorted((p for p in path.glob("step-*") if p.is_dir()), key=lambda p: p.name)
-    complete = [p for p in steps if (p / MANIFEST).is_file()]
-    if complete:
-        return complete[-1]
     partial = sorted(path.glob(".step-*.partial"))
+    passed = []
+    for p in reversed(steps):
+        try:
+            read_manifest(p)
+        except CheckpointError as e:
+            passed.append((p.name, str(e)))
+            continue
+        if skipped is not None:
+            skipped.extend(passed)
+        return p
     if partial or steps:
-        raise CheckpointError(f"{path} holds only incomplete checkpoints ({(partial or steps)[-1].name}: "
-                              f"its save was interrupted); nothing to load")
+        last = passed[0][1] if passed else f"{partial[-1].name}: its save was interrupted"
+        raise CheckpointError(f"{path} holds only incomplete checkpoints (newest: {last}); nothing to load")
     raise CheckpointError(f"{path} is not a checkpoint and holds no step-* checkpoints")
+
+
+# ------------------------------------------------------------------------------------------------
+# one job per --ckpt directory
+# ------------------------------------------------------------------------------------------------
+
+LOCK = ".autoshard-lock"
+
+
+class DirectoryHeld(CheckpointError):
+    """The ``--ckpt`` directory is held by another live job."""
+
+
+class DirectoryLock:
+    """A job's hold on a checkpoint directory: a POSIX record lock on ``<dir>/.autoshard-lock``
+    (released by the kernel when the holding process ends, however it ends; also on NFS), with
+    the holder written into the file so that a second job can name it.
+
+    Example (the job's first process, before training)::
+
+        lock, dead = DirectoryLock.take("ck")      # DirectoryHeld if a live job holds it
+        ...
+        lock.release()
+    """
+
+    def __init__(self, fd: int, path: Path):
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def take(cls, directory) -> tuple["DirectoryLock", dict | None]:
+        """The lock, and the record of the job that held it before and died without releasing
+        it (None if there was none)."""
+        path = Path(directory) / LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise DirectoryHeld(f"{directory} is in use by another job: {describe_holder(holder)} (hint: let it "
+                                f"finish, or give this job another --ckpt directory)") from None
+        previous = _holder(fd)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(sys.argv)[:200]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.fsync(fd)
+        return cls(fd, path), previous
+
+    def release(self) -> None:
+        """Give the directory up (the record is cleared first: an empty lock file is a clean end)."""
+        if self.fd is None:
+            return
+        os.ftruncate(self.fd, 0)
+        fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)  # (a POSIX lock ends when any descriptor of the file closes: this is the only one)
+        self.fd = None
+
+
+def _holder(fd: int) -> dict | None:
+    text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"record": text[:100]}
+
+
+def describe_holder(holder: dict | None) -> str:
+    if not holder:
+        return "a job that has not written its record yet"
+    if "pid" not in holder:
+        return f"an unreadable record ({holder.get('record')!r})"
+    return f"pid {holder['pid']} on {holder.get('host')} since {holder.get('since')} ({holder.get('command', '')})"
+
+
+def data_identity(path) -> dict:
+    """What a resumed run compares to tell whether it reads the same token file: its size and the
+    SHA-256 of its first MiB (not the whole file: data files are large)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256_first_mib": head}

@@ -181,9 +181,26 @@ class DistributedBackend(Backend):
 
     @property
     def transports(self) -> dict:
-        """{axis: "shared memory" or "gloo" or "nccl"}: how that axis's collectives move."""
+        """{axis: "shared memory" or "gloo" or "nccl"}: how that axis's collectives move (an
+        axis whose segment could not be made is on gloo; before :meth:`connect` or the axis's
+        first collective, shared memory is what it will try)."""
         wire = "gloo" if self._gloo else dist.get_backend()
-        return {axis: "shared memory" if axis in self._shm else wire for axis in self.mesh.names}
+        return {axis: "shared memory" if axis in self._shm and self._shm[axis].usable else wire
+                for axis in self.mesh.names}
+
+    def connect(self) -> dict:
+        """Make every axis's shared memory segment now (a collective: every rank calls it at the
+        same point), so :attr:`transports` says what the job's collectives really use; returns it.
+
+        Example (each process of a torchrun job)::
+
+            backend = DistributedBackend(mesh)
+            print(backend.connect())    # {'dp': 'shared memory', 'tp': 'shared memory'}
+        """
+        for axis in self.mesh.names:
+            if axis in self._shm:
+                self._shm[axis].prepare(torch.empty(1, dtype=torch.uint8))
+        return self.transports
 
     def _wire(self, axis, payload):
         """Where a collective with per-rank ``payload`` goes: the axis's shared memory group when
