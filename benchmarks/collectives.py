@@ -2,7 +2,7 @@
 
 Run (on a quiet machine; launches one torchrun job per world size)::
 
-    flock /work/bench.lock .venv/bin/python benchmarks/collectives.py            # 2 and 4 processes
+    .venv/bin/python benchmarks/collectives.py            # 2 and 4 processes
     .venv/bin/python benchmarks/collectives.py --world 2 --sizes-mib 4
 
 Each process builds two :class:`~autoshard.runtime.DistributedBackend` on one mesh axis over

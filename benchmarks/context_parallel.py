@@ -1,9 +1,9 @@
 """Ring attention step time on gloo processes vs the all-gather-KV variant, unsharded attention,
 and PyTorch's own ``torch.distributed.tensor.experimental.context_parallel``.
 
-Run (take the benchmark lock; note the load)::
+Run (note the load average with the figures)::
 
-    flock /work/bench.lock .venv/bin/python benchmarks/context_parallel.py [--seq 4096] [--ranks 2 4]
+    .venv/bin/python benchmarks/context_parallel.py [--seq 4096] [--ranks 2 4]
 
 One step = forward + backward of causal GQA attention (batch 1, 8 query heads, 2 kv heads, head
 width 64, fp32) over a sequence of ``--seq`` positions, zigzag order. Each of the ``R`` gloo

@@ -11,7 +11,7 @@ listed all-to-alls timed by the cost model (``cost.comm.collective_time`` on the
 for the axis, ``--hardware``, default the ``cpu-gloo`` preset), and the model's whole step
 (``plan.cost``)::
 
-    flock /work/bench.lock .venv/bin/python benchmarks/moe.py            # N = 2 and 4
+    .venv/bin/python benchmarks/moe.py            # N = 2 and 4
     .venv/bin/python benchmarks/moe.py --procs 2 --steps 2 --rounds 1    # quick
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run (the machine should be quiet; note its load with the figures)::
 
-    flock /work/bench.lock .venv/bin/python benchmarks/pipeline.py
+    .venv/bin/python benchmarks/pipeline.py
     .venv/bin/python benchmarks/pipeline.py --layers 8 --hidden 128 --rounds 3 --steps 2
 
 Four processes (pp=4, gloo, one intra-op thread each) build the same Llama-style model from one

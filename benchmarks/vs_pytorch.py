@@ -3,7 +3,7 @@
 Run (on a quiet machine; the benchmark launches one torchrun job per world size)::
 
     .venv/bin/pip install expecttest      # torch's test model module imports it
-    flock /work/bench.lock .venv/bin/python benchmarks/vs_pytorch.py            # 2 and 4 processes
+    .venv/bin/python benchmarks/vs_pytorch.py            # 2 and 4 processes
     .venv/bin/python benchmarks/vs_pytorch.py --world 2 --configs 8x128 --rounds 3   # a subset
     .venv/bin/python benchmarks/vs_pytorch.py --world 2 --configs 2x512 --pairs tp/dtensor --profile 3
 

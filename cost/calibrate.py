@@ -16,7 +16,7 @@ or ``$AUTOSHARD_HARDWARE``.
 
 Example::
 
-    hw = calibrate({"dp": 2, "tp": 2}, 4, "hw.json")      # 4 gloo processes, ~20 s on 2 cores
+    hw = calibrate({"dp": 2, "tp": 2}, 4, "hw.json")      # 4 gloo processes
     plan = autoshard.autoshard(model, args, mesh=mesh, dims=dims, hardware="hw.json")
 
 From the command line: ``python -m autoshard calibrate dp=2,tp=2 4 hw.json``.

@@ -320,8 +320,8 @@ INFINIBAND_NDR = LinkSpec(
 
 H100_NODE = Hardware(name="h100-sxm-8", device=H100_SXM, links=(NVLINK4, INFINIBAND_NDR))
 
-# This machine: 2-core AMD EPYC VM, torch 2.13 CPU, ranks simulated as processes sharing the
-# cores. Rough values measured once here (2048^2 matmul, 2 threads: 84 GFLOP/s fp32,
+# CPU processes over gloo: the values come from a 2-core x86-64 VM (torch 2.13 CPU, ranks as
+# processes sharing the cores), measured once (2048^2 matmul, 2 threads: 84 GFLOP/s fp32,
 # ~390 bf16; tensor copy ~5 GB/s; 2-rank gloo all_reduce: ~1.6 ms for 4 bytes, ~1 GB/s for
 # 16 MiB). Each simulated rank gets about one core's share. Calibration will replace these.
 CPU_GLOO = Hardware(

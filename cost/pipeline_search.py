@@ -10,7 +10,7 @@ fastest schedule and microbatch count at that degree.
 
 For one degree ``pp`` the other axes are searched on ``n / pp`` devices, with the whole model
 and batch (the per-rank program that the stage cut then splits), and the pipelined plan is
-estimated from that plan's cost (first order, documented in docs/architecture.md):
+estimated from that plan's cost (first order, documented in docs/pipeline.md):
 
 * a rank holds one stage: the state (parameters, gradients, optimizer) of the largest stage,
   ``stage_fraction`` of the whole (blocks split evenly, the embedding on the first stage and

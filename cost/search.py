@@ -371,7 +371,7 @@ class SearchSpace:
         self.train = train
         self.memory_limit = memory_limit
         # Soft entries (sequence parallelism, token rows where an axis is free) are explored by
-        # default; soft=False restricts the space to hard entries (docs/architecture.md).
+        # default; soft=False restricts the space to hard entries (docs/search.md).
         self.soft_search = True if soft is None else bool(soft)
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
         self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)

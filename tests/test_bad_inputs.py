@@ -2,8 +2,8 @@
 
 Every case asserts one of two things:
 
-- **refused**: one line (no traceback, no graph dump) of a documented exception type (README,
-  "Errors") whose text names the cause (the argument, dim, key, input or source line);
+- **refused**: one line (no traceback, no graph dump) of a documented exception type
+  (docs/exact-or-refused.md) whose text names the cause (the argument, dim, key, input or source line);
 - **exact**: the plan's result equals the unsharded model's.
 
 Cases are small and in-process (the API, the command line, an exported run.py before its

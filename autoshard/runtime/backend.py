@@ -2,7 +2,7 @@
 
 A backend moves plain tensors (no autograd) between the ranks of one mesh axis group, as the
 rank of the current :func:`~autoshard.runtime.context.current` context. Reduction is always a
-sum; averaging is an explicit scale in the graph (see DESIGN.md, "ownership algebra").
+sum; averaging is an explicit scale in the graph (docs/design.md, "The ownership algebra").
 
 Semantics, for a group of ``n`` ranks in axis-coordinate order and this rank at index ``i``:
 

@@ -1,7 +1,7 @@
 """Collectives as autograd functions, each forward paired with its adjoint in one table.
 
-Every function changes the ownership of a value on one mesh axis (DESIGN.md, "The ownership
-algebra") and is exact for gradients under these conventions:
+Every function changes the ownership of a value on one mesh axis (docs/design.md, "The
+ownership algebra") and is exact for gradients under these conventions:
 
 - the grad of a ``Replicate`` value is the full gradient, on every rank;
 - the grad of a ``Shard(d)`` value is this rank's chunk of the full gradient;

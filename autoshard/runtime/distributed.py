@@ -232,8 +232,8 @@ class DistributedBackend(Backend):
     # Free buffers kept per (elements, dtype): a ZeRO-3 step allocates unit-sized buffers for
     # every gather and reduce-scatter, and freshly allocated CPU memory costs a page fault per
     # 4 KiB page when first written (the allocator hands large freed blocks back to the system):
-    # measured, thousands of faults per step on 2 processes. A few unit-sized spares (no more
-    # than a step holds at once) are reused instead; on GPU the caching allocator does this.
+    # thousands of faults per step. A few unit-sized spares (no more than a step holds at once)
+    # are reused instead; on GPU the caching allocator does this.
     SPARES = 4
 
     def buffer(self, shape, dtype, device=None):
@@ -284,11 +284,10 @@ class DistributedBackend(Backend):
 
         On gloo it runs as an all-to-all (block ``j`` of every rank to rank ``j``) and a local
         sum of the ``n`` received blocks in rank order: the same bytes on the wire as a ring
-        reduce-scatter, several times faster than gloo's own (measured: 12.6 MB on 2 / 4
-        processes, 14 vs 31 ms / 19 vs 71 ms), and the sum order is the simulated backend's,
-        so results equal the simulation bit for bit at any group size. The cost: the ``n``
-        blocks are received whole (a buffer the size of the input) until the sum; that buffer
-        (and ``front`` with ``consume``) is recycled after it."""
+        reduce-scatter, faster than gloo's own on CPU (``benchmarks/collectives.py``), and the
+        sum order is the simulated backend's, so results equal the simulation bit for bit at any
+        group size. The cost: the ``n`` blocks are received whole (a buffer the size of the
+        input) until the sum; that buffer (and ``front`` with ``consume``) is recycled after it."""
         n = self.mesh.axis_size(axis)
         group = self.groups[axis]
         if not self._gloo:

@@ -2,7 +2,7 @@
 its slices, and the rank spec that describes both without the planner.
 
 ZeRO stages are not special code paths in the program; they are where a parameter is *stored*
-between uses (DESIGN.md, "The ownership algebra"):
+between uses (docs/design.md, "The ownership algebra"):
 
 ====== ==================== ================================ =================================
 stage  parameters           gradients                        optimizer state / step

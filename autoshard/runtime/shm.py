@@ -2,10 +2,9 @@
 
 gloo moves every collective through loopback TCP and its own threads, even when all ranks of a
 group run on one machine. There, a rank can instead copy its payload into a segment all of them
-map and read the others' payloads from it. Measured on this project's 2-core machine, 2
-processes, one thread each (``benchmarks/collectives.py``, milliseconds per call): a 4 MiB
-all-reduce 2.1 against gloo's 7.2, a 12.6 MiB all-gather 7.0 against 25.3, a one-element
-all-reduce 0.16 against 0.57.
+map and read the others' payloads from it, without gloo's sockets and threads, which take
+their CPU from the compute when a process has one core (``benchmarks/collectives.py`` compares
+the two; its results are in benchmarks/README.md).
 
 :class:`SharedMemoryGroup` serves one process group with the three tensor-form primitives
 :class:`~autoshard.runtime.distributed.DistributedBackend` uses, with torch.distributed's
