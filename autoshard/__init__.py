@@ -23,6 +23,7 @@ _FACADE = {
     "UnsupportedOpWarning": "autoshard.passes.spmd",
     "UnsupportedModelError": "autoshard.passes.guards",
     "DropoutWarning": "autoshard.passes.guards",
+    "IdleAxisWarning": "autoshard.cost.idle",
     "InputMismatchError": "autoshard.runtime.inputs",
     "CaptureError": "autoshard.passes.export_errors",
     "consolidate": "autoshard.runtime.checkpoint",

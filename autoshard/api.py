@@ -25,6 +25,7 @@ import math
 import re
 import sys
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -46,6 +47,7 @@ from autoshard.cost.model import program_cost, resolve_cost_model
 from autoshard.cost.context import choose_variant
 from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.cost.units import choose_units
+from autoshard.cost.idle import IdleAxisWarning, idle_axes
 from autoshard.cost.search import plan_search
 from autoshard.cost.pipeline_search import choose_pipeline
 from autoshard.passes.program import build_program
@@ -270,7 +272,20 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             lapses = plan.unsharded
             raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
                               f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
+        warn_idle_axes(plan)
         return plan
+
+
+def warn_idle_axes(plan) -> None:
+    """One IdleAxisWarning naming every mesh axis the plan leaves idle (``cost.idle``). What
+    using them would save and cost takes another rewrite, so plan.explain() and print(plan) say
+    it when asked, not every plan."""
+    axes = idle_axes(plan)
+    if axes:
+        many = len(axes) > 1
+        warnings.warn(f"autoshard: the plan leaves mesh ax{'es' if many else 'is'} {', '.join(axes)} idle: "
+                      f"{'their' if many else 'its'} ranks repeat each other's work (plan.explain() says what "
+                      f"splitting the batch there would save and cost)", IdleAxisWarning, stacklevel=3)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from .runtime.clip import clip_grad_norm_
 from .runtime.context import current
 from .ownership import slice_dim_for
 from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
+from autoshard.cost.idle import idle_axes_explained
 from autoshard.cost.report import alternatives, cost_report, explain
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.dims import module_of
@@ -426,6 +427,9 @@ class Plan:
         if self.program.fallbacks:
             rows = [[op, mod or "<root>", line] for op, mod, line in self.program.fallbacks]
             parts.append("Ops without a rule (run replicated)\n" + tabulate(rows, headers=["op", "module", "line"]))
+        idle = idle_axes_explained(self)
+        if idle:
+            parts.append("Idle mesh axes\n" + "\n".join(idle))
         return "\n\n".join(parts)
 
     __repr__ = __str__

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from autoshard.ownership import local_shape
-from autoshard.passes.program import build_program
-from autoshard.passes.spmd import LayoutError, resolve_layout
+from autoshard.passes.spmd import LayoutError
 
-from .checkpoint import checkpointed_program_cost
 from .context import context_explanation
-from .model import PlanCost, formula_text, program_cost, resolve_cost_model
+from .idle import idle_axes_explained
+from .model import formula_text
+from .plan_cost import _cost_model, layout_cost, plan_cost
 
 __all__ = ["CostReport", "plan_cost", "cost_report", "explain", "alternatives", "describe_layout"]
 
@@ -53,32 +53,6 @@ class CostReport(dict):
         return "\n".join(lines)
 
     __repr__ = __str__
-
-
-def _cost_model(plan):
-    cm = getattr(plan, "cost_model", None)
-    return cm if cm is not None else resolve_cost_model(None)
-
-
-def plan_cost(plan) -> PlanCost:
-    """The cost model applied to the plan's rewritten program and its collectives (cached on
-    the plan)."""
-    cached = getattr(plan, "_autoshard_cost", None)
-    if cached is not None:
-        return cached
-    cm = _cost_model(plan)
-    cap = plan.captured
-    vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-    bucket_mb = getattr(plan, "bucket_mb", 25.0)
-    fn = checkpointed_program_cost if getattr(plan, "checkpoint", None) else program_cost
-    cost = fn(plan.program, cap.inputs, vals, plan.mesh, cm, train=plan.train,
-              zero_stage=plan.zero_stage, data_axes=plan.data_axes,
-              bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
-    try:
-        plan._autoshard_cost = cost
-    except AttributeError:  # pragma: no cover
-        pass
-    return cost
 
 
 def cost_report(plan) -> CostReport:
@@ -153,20 +127,11 @@ def _sequence_whole(plan, seq_names):
     """(layout description, step seconds, peak bytes) of ``plan`` with its context-parallel
     sequence kept whole (the rest of the layout as it is), or None if that plan is invalid."""
     layout = {**plan.layout, **{n: None for n in seq_names.values() if n}}
-    cap, cm = plan.captured, _cost_model(plan)
-    vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-    bucket_mb = getattr(plan, "bucket_mb", 25.0)
     for stage in dict.fromkeys((plan.zero_stage, 0)):  # ZeRO needs a data axis the split may have been
         try:
-            program, axes = build_program(cap.graph, cap.inputs, plan.info, resolve_layout(plan.info, layout, plan.mesh),
-                                          plan.mesh, train=plan.train, zero_stage=stage, reshard=True,
-                                          bucket_mb=bucket_mb, display={i.name: i.target for i in cap.inputs},
-                                          units=getattr(plan, "units", None) or "block", context={})
+            c = layout_cost(plan, layout, stage)
         except LayoutError:
             continue
-        fn = checkpointed_program_cost if getattr(plan, "checkpoint", None) else program_cost
-        c = fn(program, cap.inputs, vals, plan.mesh, cm, train=plan.train, zero_stage=stage, data_axes=axes,
-               bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
         desc = describe_layout(layout, plan.mesh) + (f"; ZeRO stage {stage}" if stage else "")
         return desc, c.step_time, c.memory["peak"]
     return None
@@ -192,6 +157,7 @@ def explain(plan) -> str:
     if lapses:
         head += (f" Not sharded as the layout asks: {len(lapses)} forward gather(s), "
                  f"{sum(u.bytes for u in lapses)} bytes/rank, e.g. {lapses[0]} (strict=True refuses this plan).")
+    head += "".join(" " + sentence for sentence in idle_axes_explained(plan))
     ctx = _context_lines(plan, res, cost)
     if res is None:
         return "\n".join([head + " The layout was given, not searched: there is no runner-up to compare with."]
