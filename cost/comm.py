@@ -36,6 +36,8 @@ from typing import Callable
 
 import sympy as sp
 
+from autoshard.runtime.collectives import COMM_KINDS
+
 from .hardware import LinkSpec
 
 __all__ = [
@@ -50,7 +52,8 @@ __all__ = [
 
 V, R, alpha, beta = sp.symbols("V R alpha beta", positive=True)
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
+# the runtime's communicating primitives (one table: autoshard/runtime/collectives.py)
+COLLECTIVE_KINDS = COMM_KINDS
 
 # Build 2*(R-1) unevaluated so it prints as the textbook 2*V*(R - 1)/R, not V*(2*R - 2)/R.
 _two_r_minus_1 = sp.Mul(2, R - 1, evaluate=False)

@@ -454,9 +454,9 @@ class _Rewriter:
         where, line = module_of(consumer), source_line(consumer)
         why = self.explain(fn.__name__, src, consumer, axis, s, t, reason)
         new.meta["autoshard"]["why"] = why
-        if fwd in COMM_KINDS:
+        if fwd in C.COMM_KINDS:
             self.collectives.append(Collective(fwd, (axis,), nbytes, "forward", where, why, src.name, line, tag, fn.__name__))
-        if bwd in COMM_KINDS and src in self.rg:
+        if bwd in C.COMM_KINDS and src in self.rg:
             out_bytes = new.meta["val"].numel() * new.meta["val"].element_size() if val is not None else 0
             self.collectives.append(Collective(bwd, (axis,), out_bytes, "backward", where,
                                                why if fn.__name__ == "mark_varying" else "adjoint: " + why,
@@ -890,8 +890,6 @@ class _Rewriter:
 
 
 SIZE_ARG = {aten.expand.default: 1}
-
-COMM_KINDS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
 
 
 def depends_on(graph: fx.Graph, names: set) -> set:
