@@ -30,7 +30,12 @@ from torch import nn
 
 
 class RecomputeError(ValueError):
-    """A buffer of a meta model that cannot be recomputed (one line naming it and its module)."""
+    """A buffer of a meta model that cannot be recomputed: one line naming it and its module
+    (``fqn``: the buffer), without a hint; the caller knows what else can supply it."""
+
+    def __init__(self, msg: str, fqn: str):
+        super().__init__(msg)
+        self.fqn = fqn
 
 
 def non_persistent_buffers(model: nn.Module) -> set:
@@ -51,7 +56,7 @@ def _owner_name(fqn: str) -> tuple:
 _PLACEMENT_ARGS = ("device", "dtype")
 
 
-def _constructor_args(owner: nn.Module, what: str) -> dict:
+def _constructor_args(owner: nn.Module, what: str, fqn: str) -> dict:
     """The arguments ``type(owner)`` was built with, read back from the attributes of the same
     names that the module keeps (``config`` for Hugging Face modules; ``dim``, ``base``, ... for
     modules that store their arguments). A parameter it does not keep is refused unless it only
@@ -72,8 +77,8 @@ def _constructor_args(owner: nn.Module, what: str) -> dict:
     if lost:
         raise RecomputeError(f"{what} is on the meta device and in no state dict, and {cls.__name__} keeps no "
                              f"attribute for its constructor argument(s) {', '.join(lost)} to rebuild it from "
-                             f"(hint: keep them on the module, e.g. self.config = config as Hugging Face modules "
-                             f"do, or plan the model with real weights)")
+                             f"(a module that keeps them, as self.config = config in Hugging Face modules, is "
+                             f"rebuilt from them)", fqn)
     return args
 
 
@@ -81,7 +86,7 @@ def _rebuild(owner: nn.Module, where: str, fqn: str) -> nn.Module:
     """A fresh copy of ``owner``, built on the CPU by its own constructor from the arguments it keeps."""
     cls = type(owner)
     what = f"buffer {fqn} of {where} ({cls.__name__})"
-    args = _constructor_args(owner, what)
+    args = _constructor_args(owner, what, fqn)
     try:
         with torch.device("cpu"):  # overrides a caller's torch.device("meta") context
             return cls(**args)
@@ -89,7 +94,7 @@ def _rebuild(owner: nn.Module, where: str, fqn: str) -> nn.Module:
         first = str(e).splitlines()[0] if str(e) else ""
         raise RecomputeError(f"{what} is on the meta device and in no state dict, and rebuilding "
                              f"{cls.__name__}({', '.join(args)}) on the CPU failed: {type(e).__name__}: "
-                             f"{first}") from None
+                             f"{first}", fqn) from None
 
 
 def recompute_buffers(model: nn.Module, names) -> dict:
@@ -115,15 +120,15 @@ def recompute_buffers(model: nn.Module, names) -> dict:
             got = fresh._buffers.get(attr)
             if not isinstance(got, torch.Tensor) or got.is_meta:
                 raise RecomputeError(f"buffer {fqn} of {where} ({type(owner).__name__}): a fresh "
-                                  f"{type(owner).__name__}(config) on the CPU has no tensor {attr!r}")
+                                     f"{type(owner).__name__} built on the CPU has no tensor {attr!r}", fqn)
             if got.shape != want.shape:
                 raise RecomputeError(f"buffer {fqn} of {where} ({type(owner).__name__}): a fresh "
-                                  f"{type(owner).__name__}(config) has it as {list(got.shape)}, the model as "
-                                  f"{list(want.shape)} (the module was changed after it was built)")
+                                     f"{type(owner).__name__} has it as {list(got.shape)}, the model as "
+                                     f"{list(want.shape)} (the module was changed after it was built)", fqn)
             if got.dtype != want.dtype:
                 if not (got.is_floating_point() and want.is_floating_point()):
-                    raise RecomputeError(f"buffer {fqn} of {where} ({type(owner).__name__}): a fresh copy has it as "
-                                      f"{got.dtype}, the model as {want.dtype}")
+                    raise RecomputeError(f"buffer {fqn} of {where} ({type(owner).__name__}): a fresh copy has "
+                                         f"it as {got.dtype}, the model as {want.dtype}", fqn)
                 got = got.to(want.dtype)  # what model.to(dtype) did to the model's own copy
             out[fqn] = got.detach().contiguous()
         del fresh

@@ -501,12 +501,19 @@ WHY_NO_WEIGHTS = ("the model was planned on the meta device: its parameters must
                   "(a state dict of the same model with real weights)")
 
 
-def _meta_model_buffers(plan, inputs_meta) -> dict:
+def _meta_model_buffers(plan, inputs_meta, given: Optional[dict]) -> dict:
     """What a meta model's export holds itself (``buffers.pt``): its non-persistent buffers,
-    recomputed on the CPU by the owning modules' own code, and any tensor the program reads that
-    has data already. Parameters and persistent buffers are left to the checkpoint; a meta tensor
-    no checkpoint has and nothing can recompute is an ExportError naming it."""
+    recomputed on the CPU by the owning modules' own code (or ``given`` by the caller), and any
+    tensor the program reads that has data already. Parameters and persistent buffers are left
+    to the checkpoint; a meta tensor no checkpoint has and nothing can recompute is an
+    ExportError naming it."""
     transient = non_persistent_buffers(plan.model)
+    given = dict(given or {})
+    planned = {m["target"]: m for m in inputs_meta if m["kind"] == "buffer" and m.get("role") != "full"}
+    unknown = sorted(set(given) - set(planned))
+    if unknown:
+        raise ExportError(f"buffers= names {unknown[:3]}, which are not buffers the program reads "
+                          f"(it reads {sorted(planned)[:4]}{', ...' if len(planned) > 4 else ''})")
     out, recompute = {}, []
     for m in inputs_meta:
         if m["kind"] == "user" or m.get("role") == "full":
@@ -514,7 +521,16 @@ def _meta_model_buffers(plan, inputs_meta) -> dict:
         t = plan.captured.state[m["target"]]
         if not isinstance(t, torch.Tensor) or m["kind"] == "parameter":
             continue
-        if not t.is_meta:
+        if m["target"] in given:
+            v = given[m["target"]]
+            if not isinstance(v, torch.Tensor) or v.is_meta or list(v.shape) != m["shape"] or \
+                    _dtype_str(v.dtype) != m["dtype"]:
+                got = f"{list(v.shape)} {_dtype_str(v.dtype)}{' on meta' if v.is_meta else ''}" \
+                    if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ExportError(f"buffers={{{m['target']!r}: ...}} is {got}; the program reads a "
+                                  f"{m['shape']} {m['dtype']} tensor with data")
+            out[m["target"]] = v.detach().cpu().contiguous()
+        elif not t.is_meta:
             out[m["target"]] = t.detach().contiguous()
         elif m["kind"] == "buffer" and m["target"] in transient:
             recompute.append(m["target"])
@@ -525,12 +541,14 @@ def _meta_model_buffers(plan, inputs_meta) -> dict:
     try:
         out.update(recompute_buffers(plan.model, recompute))
     except RecomputeError as e:
-        raise ExportError(str(e)) from None
+        raise ExportError(f"{e} (hint: plan.export(..., buffers={{{e.fqn!r}: tensor}}) gives its value, "
+                          f"or plan the model with real weights)") from None
     return out
 
 
 def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: Optional[bool] = None,
-                reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False) -> Path:
+                reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False,
+                buffers: Optional[dict] = None) -> Path:
     """Write ``plan`` to the directory ``path`` (see the module docstring); returns its path.
 
     - ``args``/``kwargs``: example inputs, saved for ``run.py`` and used for references; without
@@ -541,6 +559,8 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
       device writes no weights: its non-persistent buffers are recomputed on the CPU
       (:mod:`autoshard.passes.buffers`) into ``buffers.pt``, and parameters and persistent
       buffers come from ``weights`` or ``run.py --weights SRC``.
+    - ``buffers``: for a meta model, ``{FQN: tensor}`` values of non-persistent buffers that
+      cannot be recomputed (their owner keeps no constructor arguments); shape and dtype checked.
     - ``reference``: save the unsharded model's outputs, gradients and ``reference_steps``
       AdamW(lr) losses for ``run.py --check``; default: when inputs are given and the model is
       real and under 2 GiB.
@@ -576,7 +596,10 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
 
     inputs_meta = _inputs_meta(plan, flat_user)
     # a meta model: the tensors no checkpoint has, computed now (an error names one that cannot be)
-    exported = _meta_model_buffers(plan, inputs_meta) if meta_model else None
+    exported = _meta_model_buffers(plan, inputs_meta, buffers) if meta_model else None
+    if buffers and not meta_model:
+        raise ExportError("buffers= gives the non-persistent buffers of a model on the meta device; this model "
+                          "has its own")
     if checkpoint is not None:
         needed = {m["target"] for m in inputs_meta if m["kind"] == "buffer"} - set(exported) if meta_model else set()
         missing = _check_checkpoint(checkpoint, plan, inputs_meta, needed)

@@ -92,6 +92,29 @@ def test_recomputed_buffers_are_the_real_models_bits(dtype):
         assert torch.equal(got[name], want), name
 
 
+def test_every_zoo_models_buffers_are_recomputed_exactly_or_refused_by_name():
+    """Each tiny HF architecture of the zoo, built on meta and with real weights: every
+    non-persistent buffer is the real model's bits, or one line naming it (Gemma's embed_scale
+    and BERT's position ids live in modules that keep no constructor arguments)."""
+    from autoshard.passes.buffers import RecomputeError
+
+    rebuilt = set()
+    for arch in hf_zoo.ARCHS.values():
+        real, _ = arch.build()
+        with torch.device("meta"):
+            meta, _ = arch.build()
+        for name in sorted(non_persistent_buffers(meta)):
+            try:
+                got = recompute_buffers(meta, [name])[name]
+            except RecomputeError as e:
+                assert str(e).startswith(f"buffer {name} of ") and "\n" not in str(e), str(e)
+                continue
+            assert torch.equal(got, real.get_buffer(name)), (arch.name, name)
+            rebuilt.add(arch.name)
+    rope = {a.name for a in hf_zoo.ARCHS.values() if any("rotary" in n for n, _ in a.build()[0].named_buffers())}
+    assert rope and rope <= rebuilt, rope - rebuilt  # every RoPE decoder's inv_freq is recomputed
+
+
 def test_example_meta_llama_buffers_are_the_real_models_bits():
     from examples.models import LLAMA_8B, Llama, llama_8b_meta
 
@@ -143,8 +166,23 @@ def test_a_buffer_that_cannot_be_recomputed_is_one_line_at_export(tmp_path):
                                           r"state dict, and _Scaled keeps no attribute for its constructor "
                                           r"argument\(s\) n, scale") as e:
         plan.export(tmp_path / "out")
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "buffers={'0.scale': tensor}" in str(e.value)
     assert not (tmp_path / "out").exists()
+    # the value given by the caller: checked, then the export runs like the real model's
+    with pytest.raises(ExportError, match=r"buffers=\{'0\.scale': \.\.\.\} is \[4\] float32; the program reads a "
+                                          r"\[8\] float32 tensor"):
+        plan.export(tmp_path / "out", buffers={"0.scale": torch.ones(4)})
+    path = plan.export(tmp_path / "out", buffers={"0.scale": torch.full((8,), 0.5)})
+    real = nn.Sequential(_Scaled(8, 0.5))
+    with torch.no_grad():
+        real[0].w.copy_(torch.arange(8.0))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    torch.save(real.state_dict(), tmp_path / "ckpt.pt")
+    got = simulate_export(path, inputs=[x], weights=tmp_path / "ckpt.pt")
+    real_plan = autoshard.autoshard(real, (x,), mesh=autoshard.Mesh({"dp": 2}), dims={"input": "batch hidden"},
+                                    layout={"batch": "dp"})
+    want = simulate_export(real_plan.export(tmp_path / "real", (x,)))
+    assert len(got) == 2 and all(torch.equal(g["outputs"][0], w["outputs"][0]) for g, w in zip(got, want))
 
 
 # ------------------------------------------------------------------------------------------------
