@@ -80,6 +80,7 @@ class LlamaRMSNorm(nn.Module):
 class LlamaRotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.config = config  # as HF keeps it: a model built on meta recomputes inv_freq from it at export
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         # Not persistent: it is derived from the config, so state_dicts stay HF-compatible.

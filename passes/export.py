@@ -8,6 +8,8 @@
       plan.json      mesh, layout, every input's owner per mesh axis, collectives, cost
       run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K]
       weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap)
+      buffers.pt     instead of weights.pt for a model on the meta device: its non-persistent
+                     buffers, recomputed on the CPU (parameters come from run.py --weights)
       inputs.pt      the example inputs (when given)
       reference.pt   outputs, gradients and training losses of the unsharded model (when given)
 
@@ -53,6 +55,7 @@ from autoshard.runtime.overlap_linear import varying_linears
 
 from . import export_runner
 
+from .buffers import RecomputeError, non_persistent_buffers, recompute_buffers
 from .dims import module_of, source_line
 from .overlap_linear import SUM
 
@@ -60,6 +63,7 @@ FORMAT = "autoshard-export"
 VERSION = 1
 PROGRAM, PLAN_JSON, RUNNER = "program.py", "plan.json", "run.py"
 WEIGHTS, INPUTS, REFERENCE = "weights.pt", "inputs.pt", "reference.pt"
+BUFFERS = "buffers.pt"  # a meta model's export: the tensors no checkpoint has
 # References (a copy of the model run forward, backward and a few optimizer steps) are made at
 # export only for models up to this size; bigger ones are exported without --check data.
 REFERENCE_LIMIT_BYTES = 2 << 30
@@ -380,7 +384,7 @@ def _grad_buckets(plan):
     return {"axis": axes[0], "buckets": [{"tag": tag, "params": list(names)} for tag, names in buckets]}
 
 
-def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, reference) -> dict:
+def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, reference, buffers_file=None) -> dict:
     out_meta = []
     outs = plan.graph_module.graph.find_nodes(op="output")[0].args[0]
     for place, o in zip(plan.program.output_placements, outs):
@@ -419,7 +423,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "reshard_tags": sorted(plan.program.reshard_tags),
         "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if getattr(plan, "reduce_dtype", None) else None,
         "grad_buckets": _grad_buckets(plan),
-        "weights": {"file": weights_file, "checkpoint": checkpoint},
+        "weights": {"file": weights_file, "checkpoint": checkpoint, "buffers": buffers_file},
         "example_inputs": INPUTS if has_inputs else None,
         "reference": reference,
         "collectives": [_jsonable(c) for c in plan.collectives],
@@ -467,8 +471,9 @@ def _state_bytes(plan) -> int:
     return sum(t.numel() * t.element_size() for t in plan.captured.state.values() if isinstance(t, torch.Tensor))
 
 
-def _check_checkpoint(path: Path, plan, inputs_meta) -> list:
-    """Names the program needs that the checkpoint lacks (aliases of tied weights accepted)."""
+def _check_checkpoint(path: Path, plan, inputs_meta, needed: set) -> list:
+    """Names the program needs that the checkpoint lacks (aliases of tied weights accepted):
+    its parameters, and ``needed`` (a meta model's persistent buffers)."""
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # noqa: BLE001
@@ -481,7 +486,7 @@ def _check_checkpoint(path: Path, plan, inputs_meta) -> list:
         reverse.setdefault(kept, []).append(alias)
     missing = []
     for m in inputs_meta:
-        if m["kind"] == "parameter":
+        if m["kind"] == "parameter" or m["target"] in needed:
             names = [m["target"]] + reverse.get(m["target"], [])
             hit = next((n for n in names if n in state), None)
             if hit is None:
@@ -492,15 +497,70 @@ def _check_checkpoint(path: Path, plan, inputs_meta) -> list:
     return missing
 
 
+WHY_NO_WEIGHTS = ("the model was planned on the meta device: its parameters must come from run.py --weights SRC "
+                  "(a state dict of the same model with real weights)")
+
+
+def _meta_model_buffers(plan, inputs_meta, given: Optional[dict]) -> dict:
+    """What a meta model's export holds itself (``buffers.pt``): its non-persistent buffers,
+    recomputed on the CPU by the owning modules' own code (or ``given`` by the caller), and any
+    tensor the program reads that has data already. Parameters and persistent buffers are left
+    to the checkpoint; a meta tensor no checkpoint has and nothing can recompute is an
+    ExportError naming it."""
+    transient = non_persistent_buffers(plan.model)
+    given = dict(given or {})
+    planned = {m["target"]: m for m in inputs_meta if m["kind"] == "buffer" and m.get("role") != "full"}
+    unknown = sorted(set(given) - set(planned))
+    if unknown:
+        raise ExportError(f"buffers= names {unknown[:3]}, which are not buffers the program reads "
+                          f"(it reads {sorted(planned)[:4]}{', ...' if len(planned) > 4 else ''})")
+    out, recompute = {}, []
+    for m in inputs_meta:
+        if m["kind"] == "user" or m.get("role") == "full":
+            continue
+        t = plan.captured.state[m["target"]]
+        if not isinstance(t, torch.Tensor) or m["kind"] == "parameter":
+            continue
+        if m["target"] in given:
+            v = given[m["target"]]
+            if not isinstance(v, torch.Tensor) or v.is_meta or list(v.shape) != m["shape"] or \
+                    _dtype_str(v.dtype) != m["dtype"]:
+                got = f"{list(v.shape)} {_dtype_str(v.dtype)}{' on meta' if v.is_meta else ''}" \
+                    if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ExportError(f"buffers={{{m['target']!r}: ...}} is {got}; the program reads a "
+                                  f"{m['shape']} {m['dtype']} tensor with data")
+            out[m["target"]] = v.detach().cpu().contiguous()
+        elif not t.is_meta:
+            out[m["target"]] = t.detach().contiguous()
+        elif m["kind"] == "buffer" and m["target"] in transient:
+            recompute.append(m["target"])
+        elif m["kind"] != "buffer":  # a lifted constant: in no state dict, made by no constructor
+            raise ExportError(f"{m['kind']} {m['target']} of the model is on the meta device and in no state dict, "
+                              f"so neither a checkpoint nor the export can supply it (hint: create it on the CPU "
+                              f"in the model's code, or plan the model with real weights)")
+    try:
+        out.update(recompute_buffers(plan.model, recompute))
+    except RecomputeError as e:
+        raise ExportError(f"{e} (hint: plan.export(..., buffers={{{e.fqn!r}: tensor}}) gives its value, "
+                          f"or plan the model with real weights)") from None
+    return out
+
+
 def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: Optional[bool] = None,
-                reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False) -> Path:
+                reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False,
+                buffers: Optional[dict] = None) -> Path:
     """Write ``plan`` to the directory ``path`` (see the module docstring); returns its path.
 
     - ``args``/``kwargs``: example inputs, saved for ``run.py`` and used for references; without
       them run.py needs ``--synthetic`` (random inputs of the planned shapes) or ``--inputs``.
     - ``weights``: None exports the model's parameters and buffers to ``weights.pt``; a path
       names a checkpoint (a state dict by parameter FQN, loadable with ``weights_only=True``)
-      that run.py slices instead (buffers it lacks are still exported).
+      that run.py slices instead (buffers it lacks are still exported). A model on the meta
+      device writes no weights: its non-persistent buffers are recomputed on the CPU
+      (:mod:`autoshard.passes.buffers`) into ``buffers.pt``, and parameters and persistent
+      buffers come from ``weights`` or ``run.py --weights SRC``.
+    - ``buffers``: for a meta model, ``{FQN: tensor}`` values of non-persistent buffers that
+      cannot be recomputed (their owner keeps no constructor arguments); shape and dtype checked.
     - ``reference``: save the unsharded model's outputs, gradients and ``reference_steps``
       AdamW(lr) losses for ``run.py --check``; default: when inputs are given and the model is
       real and under 2 GiB.
@@ -524,9 +584,6 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         checkpoint = Path(weights).resolve()
         if not checkpoint.is_file():
             raise ExportError(f"weights checkpoint {weights} does not exist")
-    elif meta_model:
-        raise ExportError("the model is on the meta device, so there are no weights to export "
-                          "(hint: pass weights=<checkpoint path>, a state dict saved with torch.save)")
     if reference is None:
         reference = has_inputs and not meta_model and _state_bytes(plan) <= REFERENCE_LIMIT_BYTES
     why_no_reference = None if reference else (
@@ -538,8 +595,14 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         raise ExportError("references need example inputs and a model with real weights")
 
     inputs_meta = _inputs_meta(plan, flat_user)
+    # a meta model: the tensors no checkpoint has, computed now (an error names one that cannot be)
+    exported = _meta_model_buffers(plan, inputs_meta, buffers) if meta_model else None
+    if buffers and not meta_model:
+        raise ExportError("buffers= gives the non-persistent buffers of a model on the meta device; this model "
+                          "has its own")
     if checkpoint is not None:
-        missing = _check_checkpoint(checkpoint, plan, inputs_meta)
+        needed = {m["target"] for m in inputs_meta if m["kind"] == "buffer"} - set(exported) if meta_model else set()
+        missing = _check_checkpoint(checkpoint, plan, inputs_meta, needed)
         if missing:
             raise ExportError(f"checkpoint {checkpoint} has no tensor for {len(missing)} parameter(s), e.g. "
                               f"{missing[:3]} (hint: keys must be the model's parameter names)")
@@ -559,16 +622,19 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         for name, src in sources.items():
             (tmp / name).write_text(src)
         shutil.copyfile(Path(__file__).with_name("export_runner.py"), tmp / RUNNER)
-        state = {}
-        for m in inputs_meta:
-            if m["kind"] == "user" or m.get("role") == "full":
-                continue
-            if checkpoint is not None and m["kind"] == "parameter":
-                continue
-            t = plan.captured.state[m["target"]]
-            if isinstance(t, torch.Tensor):
-                state[m["target"]] = t.detach().contiguous()
-        torch.save(state, tmp / WEIGHTS)
+        if meta_model:
+            torch.save(exported, tmp / BUFFERS)
+        else:
+            state = {}
+            for m in inputs_meta:
+                if m["kind"] == "user" or m.get("role") == "full":
+                    continue
+                if checkpoint is not None and m["kind"] == "parameter":
+                    continue
+                t = plan.captured.state[m["target"]]
+                if isinstance(t, torch.Tensor):
+                    state[m["target"]] = t.detach().contiguous()
+            torch.save(state, tmp / WEIGHTS)
         if has_inputs:
             torch.save({"inputs": [t.detach() if isinstance(t, torch.Tensor) else t for t in flat_user]},
                        tmp / INPUTS)
@@ -578,10 +644,11 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
             torch.save(ref, tmp / REFERENCE)
             ref_meta = {"file": REFERENCE, "grads": bool(ref["grads"]), "optimizer": "adamw", "lr": lr,
                         "steps": len(ref["losses"])}
-        doc = plan_json(plan, inputs_meta, weights_file=WEIGHTS,
+        doc = plan_json(plan, inputs_meta, weights_file=None if meta_model else WEIGHTS,
                         checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
-                        reference=ref_meta)
-        doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference}
+                        reference=ref_meta, buffers_file=BUFFERS if meta_model else None)
+        doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference,
+                          "weights": WHY_NO_WEIGHTS if meta_model else None}
         if pipelined:
             doc.update(program=None, pipeline=XP.pipeline_json(plan))
         (tmp / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")

@@ -203,30 +203,40 @@ def _load(path: Path, what: str):
 
 class Weights:
     """Tensors by FQN from the weights file (and a checkpoint, for parameters), memory-mapped:
-    a rank's slice of a tensor reads only the pages of that slice."""
+    a rank's slice of a tensor reads only the pages of that slice. An export of a model planned
+    on the meta device has no weights file: parameters come from the checkpoint, and the
+    buffers no checkpoint has from ``buffers.pt`` (recomputed at export)."""
 
     def __init__(self, root: Path, doc: dict, checkpoint=None, allow_partial: bool = False):
         sources = []
         ckpt = checkpoint or doc["weights"].get("checkpoint")
         self.partial_note = None
+        w = doc["weights"]
+        files = [(w.get("file", "weights.pt"), "weights file")] if w.get("file", "weights.pt") else []
+        if w.get("buffers"):
+            files.append((w["buffers"], "buffers file"))
+        if not ckpt and not w.get("file", "weights.pt"):
+            why = (doc.get("missing") or {}).get("weights") or "the export was made without weights"
+            raise RunError(f"this export has no weights: {why} (hint: run.py --weights SRC)")
         if ckpt:
             state = _load(Path(ckpt), "weights checkpoint")
             if not isinstance(state, dict):
                 raise RunError(f"weights checkpoint {ckpt} holds a {type(state).__name__}, not a state dict")
             self.partial_note = check_checkpoint_keys(state, doc, ckpt, allow_partial)
             sources.append(state)
-        state = _load(root / doc["weights"].get("file", "weights.pt"), "weights file")
-        if not isinstance(state, dict):
-            raise RunError(f"weights file {root / doc['weights'].get('file')} holds a {type(state).__name__}, "
-                           f"not a state dict (hint: export the plan again)")
-        sources.append(state)
+        for name, what in files:
+            state = _load(root / name, what)
+            if not isinstance(state, dict):
+                raise RunError(f"{what} {root / name} holds a {type(state).__name__}, "
+                               f"not a state dict (hint: export the plan again)")
+            sources.append(state)
         self.sources = sources
         self.aliases: dict = {}
         for alias, kept in (doc.get("aliases") or {}).items():
             self.aliases.setdefault(kept, []).append(alias)
         self.dtypes = {m["target"]: m["_dtype"] for m in doc["inputs"]
                        if m["kind"] != "user" and m.get("role", "input") == "input" and m.get("shape") is not None}
-        missing, wrong, dtypes = [], [], []
+        missing, wrong, dtypes, meta = [], [], [], []
         for m in doc["inputs"]:
             if m["kind"] == "user" or m.get("role", "input") != "input" or m.get("shape") is None:
                 continue
@@ -235,6 +245,8 @@ class Weights:
                 missing.append(m["target"])
             elif not isinstance(t, torch.Tensor):
                 wrong.append(f"{m['target']} is a {type(t).__name__}, not a tensor")
+            elif t.is_meta:  # no data to copy out (an export of a meta model made without checks)
+                meta.append(m["target"])
             elif list(t.shape) != m["shape"]:
                 wrong.append(f"{m['target']} is {list(t.shape)}, the plan has {m['shape']}")
             elif t.dtype != m["_dtype"]:
@@ -242,6 +254,10 @@ class Weights:
         if missing:
             raise RunError(f"the weights have no tensor for {len(missing)} name(s), e.g. {missing[:3]} "
                            f"(hint: pass --weights with a state dict keyed by parameter name)")
+        if meta:
+            raise RunError(f"the weights hold {len(meta)} tensor(s) on the meta device (shapes, no data): "
+                           f"{_names(meta, 3)} (hint: pass --weights with a state dict of real tensors, or export "
+                           f"the plan again)")
         if wrong:
             raise RunError(f"weights of the wrong shape: {'; '.join(wrong[:3])} (hint: this export was planned "
                            f"for another model configuration)")
@@ -584,6 +600,11 @@ def prepare(root: Path, args) -> dict:
     program = load_programs(root, doc)
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
+    if args.check and not doc.get("reference"):  # before the weights: a meta export has neither
+        why = (doc.get("missing") or {}).get("reference")
+        raise RunError("this export has no references to check against" + (f": {why}" if why else "")
+                       + " (hint: export a model with real weights and example inputs, reference=True; "
+                       "models over 2 GiB skip them)")
     weights = open_weights(root, doc, args.weights, args.allow_partial)
     loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
     user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
@@ -595,12 +616,7 @@ def prepare(root: Path, args) -> dict:
                            "(hint: drop --synthetic / --inputs)")
         if args.weights:
             raise RunError("--check compares with references made from the exported weights (hint: drop --weights)")
-        r = doc.get("reference")
-        if not r:
-            why = (doc.get("missing") or {}).get("reference")
-            raise RunError("this export has no references to check against" + (f": {why}" if why else "")
-                           + " (hint: export a model with real weights and example inputs, reference=True; "
-                           "models over 2 GiB skip them)")
+        r = doc["reference"]
         ref = _load(root / r["file"], "reference file")
         if not isinstance(ref, dict) or "outputs" not in ref:
             raise RunError(f"reference file {root / r['file']} is corrupted (hint: export the plan again)")

@@ -190,16 +190,19 @@ def test_export_writes_nothing_that_looks_valid_on_failure(tmp_path, monkeypatch
     assert (tmp_path / "busy" / "plan.json").is_file() and not (tmp_path / "busy" / "x").exists()
 
 
-def test_meta_model_needs_a_checkpoint(tmp_path):
+def test_meta_model_exports_without_weights_and_run_py_asks_for_them(tmp_path, monkeypatch):
     from examples.models import llama_8b_meta
 
     model, args, dims = llama_8b_meta(num_layers=1, vocab_size=256, hidden_size=64, intermediate_size=128,
                                       num_heads=4, num_kv_heads=2, batch=2, seq=8)
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=dims,
                                layout={"heads": "tp", "ffn": "tp"})
-    with pytest.raises(ExportError, match="meta device"):
-        plan.export(tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    path = plan.export(tmp_path / "out")
+    assert not (path / "weights.pt").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(R.RunError, match=r"^this export has no weights: the model was planned on the meta device.*"
+                                         r"--weights SRC"):
+        R.prepare(path, _args("--synthetic"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,8 +365,8 @@ def test_export_without_args_of_a_meta_model_says_what_to_pass(tmp_path, monkeyp
     with pytest.raises(R.RunError, match=r"no saved inputs: the plan's example inputs are on the meta device.*"
                                          r"plan\.export\(path, args\).*--synthetic"):
         R.prepare(path, _args())
-    with pytest.raises(R.RunError, match=r"no saved inputs: the plan's example inputs are on the meta device"):
-        R.prepare(path, _args("--check"))
+    with pytest.raises(R.RunError, match=r"no references to check against: the model is on the meta device"):
+        R.prepare(path, _args("--check"))  # no references at all comes first: no input would give any
     real = tuple(torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
     path = plan.export(tmp_path / "real_inputs", real, weights=tmp_path / "w.pt")
     with pytest.raises(R.RunError, match="no references to check against: the model is on the meta device"):

@@ -111,6 +111,9 @@ class LocalModule(nn.Module):
             if not isinstance(src, torch.Tensor):
                 self._values[slot.name] = src
                 continue
+            if src.is_meta:  # torch's "Cannot copy out of meta tensor" names neither tensor nor fix
+                raise ValueError(f"{slot.kind} {slot.target} is on the meta device (a shape, no data): its "
+                                 f"values must come from a checkpoint of the model with real weights")
             src = src.detach()
             st = slot.storage
             if st is not None and st.mode == "persistent":
