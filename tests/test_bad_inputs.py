@@ -443,8 +443,9 @@ def test_runpy_refuses_a_ckpt_directory_without_room_for_one_checkpoint(export_d
     with pytest.raises(R.RunError, match=r"^--ckpt \S+ has [\d.,]+ MiB free; one checkpoint of this program takes "):
         R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
     monkeypatch.setattr(R.shutil, "disk_usage", lambda p: usage._replace(free=need))
-    R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
-    assert list((tmp_path / "ck").iterdir()) == []  # the write test leaves nothing behind
+    ctx = R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
+    ctx["loop"]["lock"].release()  # this process is the job's rank 0: it held the directory
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == [".autoshard-lock"]  # the write test leaves nothing
 
 
 def _tokens_with(tmp_path, bad_at: int, value: int, n: int = 4 * 8 * 3):
