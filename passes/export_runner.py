@@ -18,6 +18,8 @@ slicing reads only those pages), and runs ``program.forward`` inside a rank cont
 prints per-step loss and time. ``--check`` compares every rank's outputs (and, with
 ``--steps``, gradients of the first step and the losses of every step) with the references of
 the unsharded model saved at export, and prints "check passed" only if every rank passed.
+A training step whose loss or gradient norm is not finite stops every process with exit code 4
+before its optimizer step (``--nan-policy``; ``skip-step`` skips it, ``ignore`` trains on).
 
 It needs the installed autoshard runtime (collectives, DistributedBackend), not the planner.
 """
