@@ -277,9 +277,9 @@ class SharedMemoryGroup:
         size = control + self.WINDOW * self.n * capacity
         self.generation += 1
         name = f"{self.name}-{self.generation}"
-        fd = _create(name, size) if self.me == 0 else None
-        mapped = None
+        fd = mapped = None
         try:
+            fd = _create(name, size) if self.me == 0 else None
             # Rank 0's pid, descriptor and inode to every rank (zeros: none made); also the
             # barrier after which its descriptor is there to open.
             first = self._from_first_rank(_identity(fd) if fd is not None else (0, 0, 0, 0))
