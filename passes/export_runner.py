@@ -769,6 +769,10 @@ def run(root: Path, args) -> int:
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
         rc = EXIT_USAGE
+    except NonFiniteError as e:  # on every rank at the same step (--nan-policy stop)
+        if rank == 0:
+            print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+        rc = EXIT_NONFINITE
     except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
         if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
             # peers are stopped or gone: tearing the group down could block or abort
@@ -832,20 +836,15 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
             f"microbatches per step")
     with rank_context(mesh, rank, backend):
         rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
-        try:
-            if ctx["loop"]:
-                res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
-            elif doc.get("pipeline"):
-                res = _pipeline().rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this(),
-                                            nan_policy=args.nan_policy)
-            else:
-                res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                                ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
-        except NonFiniteError as e:  # on every rank at the same step: they leave together (run())
-            if rank == 0:
-                print(f"run.py: error: {e}", file=sys.stderr, flush=True)
-            return EXIT_NONFINITE
+        if ctx["loop"]:
+            res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
+        elif doc.get("pipeline"):
+            res = _pipeline().rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this(),
+                                        nan_policy=args.nan_policy)
+        else:
+            res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
     if ctx["ref"] is None:
