@@ -127,7 +127,10 @@ def test_torchrun_a_nan_loss_exits_4_on_every_process_and_skip_step_trains_on(tm
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("run.py: error: step 1: loss nan and gradient norm nan, not finite: stopped "
                                 "before its optimizer step (--nan-policy stop"), errors
-    assert len(re.findall(r"exitcode\s*:\s*4 ", proc.stderr)) == 2, proc.stderr[-3000:]  # torchrun's list: each rank
+    # torchrun's list of the ranks' exit codes: 4; it SIGTERMs the others once one has exited, and
+    # on a loaded machine one may still be leaving the process group then (-15)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", proc.stderr)
+    assert len(codes) == 2 and "4" in codes and set(codes) <= {"4", "-15"}, proc.stderr[-3000:]
     assert "step 1/3" not in proc.stdout and list(ck.glob("*step-*")) == []
     out = torchrun(path, "--steps", "2", "--weights", str(tmp_path / "nan.pt"), "--nan-policy", "skip-step")
     steps = [l for l in out.splitlines() if l.startswith("step ")]
