@@ -33,6 +33,7 @@ import torch
 from autoshard.ownership import Shard, local_piece
 from autoshard.runtime import current
 from autoshard.runtime.checkpoint import all_gather_objects
+from autoshard.runtime.clip import global_grad_norm
 from autoshard.runtime.local import ShardedOptimizer
 from autoshard.runtime.pipeline import BoundarySpec, PipelineRank, PipelineSpec, StageSpec, split_microbatches
 from autoshard.runtime.schedules import Action, check_schedule
@@ -161,6 +162,11 @@ class PipelineProgram:
         """Clip the step's gradients of every stage to the global norm (see ``PipelineRank``)."""
         return self.pipe.clip_grad_norm_(max_norm)
 
+    def grad_norm(self) -> float:
+        """The step's gradients' global 2-norm over every stage (the same float on every rank),
+        nothing clipped."""
+        return global_grad_norm(self.local, counted=self.pipe.counts_in_norm)
+
     def step_loss(self, loss) -> float:
         """The step's global loss on every rank (only the last stage's ranks hold it; the others
         add zero on the pipeline axis). Call on every rank inside the rank context."""
@@ -232,10 +238,12 @@ def compare_params(pp: PipelineProgram, ref: dict, rtol: float, atol: float, R):
 
 
 def rank_loop(pp: PipelineProgram, user: list, *, steps: int, optimizer: str = "adamw", lr: float = 1e-3,
-              ref=None, rtol: float = 1e-4, atol: float = 1e-5, say=lambda msg: None, R=None) -> dict:
+              ref=None, rtol: float = 1e-4, atol: float = 1e-5, say=lambda msg: None, R=None,
+              nan_policy: str = "stop") -> dict:
     """Forward only (``steps=0``: every microbatch through the stages) or ``steps`` training
     steps (the schedule, then the optimizer) of one rank, inside its rank context; compares with
-    ``ref`` (outputs and first-step gradients) when given. ``losses``: the step losses."""
+    ``ref`` (outputs and first-step gradients) when given. ``losses``: the step losses. A step
+    whose loss or gradient norm is not finite: ``nan_policy`` (run.py's ``nonfinite_step``)."""
     res = dict(ok=True, worst_out=0.0, worst_grad=0.0, problems=[], losses=[], outputs=None, grads=None)
     sync = torch.cuda.synchronize if pp.device.type == "cuda" else (lambda: None)
     what = f"{pp.spec.microbatches} microbatches, {pp.doc['pipeline'].get('schedule')}"
@@ -262,12 +270,17 @@ def rank_loop(pp: PipelineProgram, user: list, *, steps: int, optimizer: str = "
                 o_ok, res["worst_out"], p1 = compare_outputs(pp, ref, rtol, atol, R)
                 g_ok, res["worst_grad"], p2 = R.compare_grads(pp.doc, pp.mesh, pp.rank, pp.params, ref, rtol, atol)
                 res["ok"], res["problems"] = o_ok and g_ok, p1 + p2
-        pp.step()
+        value = pp.step_loss(loss)
+        skipped = R.nonfinite_step(pp, step + 1, value, None, nan_policy)
+        if skipped:
+            pp.opt.zero_grad(set_to_none=True)
+        else:
+            pp.step()
         sync()
         dt = time.perf_counter() - t0
-        value = pp.step_loss(loss)
         res["losses"].append(value)
-        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms  ({what})")
+        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms  ({what})"
+            + (f"  {skipped}" if skipped else ""))
     r = pp.doc.get("reference") or {}
     if ref is not None and ref.get("params") and (steps, optimizer, lr) == (r.get("steps"), r.get("optimizer"),
                                                                          r.get("lr")):

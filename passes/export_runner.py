@@ -18,6 +18,8 @@ slicing reads only those pages), and runs ``program.forward`` inside a rank cont
 prints per-step loss and time. ``--check`` compares every rank's outputs (and, with
 ``--steps``, gradients of the first step and the losses of every step) with the references of
 the unsharded model saved at export, and prints "check passed" only if every rank passed.
+A training step whose loss or gradient norm is not finite stops every process with exit code 4
+before its optimizer step (``--nan-policy``; ``skip-step`` skips it, ``ignore`` trains on).
 
 It needs the installed autoshard runtime (collectives, DistributedBackend), not the planner.
 """
@@ -32,6 +34,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,16 +47,24 @@ from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import OPTIMIZERS, UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, Slot
 from autoshard.runtime import checkpoint as ckpt
-from autoshard.runtime.clip import clip_grad_norm_
+from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 from autoshard.passes import export_pipeline_runner
 
 FORMAT, VERSION = "autoshard-export", 1
 EXIT_USAGE = 2
+EXIT_NONFINITE = 4
+NAN_POLICIES = ("stop", "skip-step", "ignore")  # --nan-policy: what a non-finite loss or gradient norm does
 
 
 class RunError(Exception):
     """A problem found before running (bad files, wrong world size): one line, exit code 2."""
+
+
+class NonFiniteError(Exception):
+    """A training step whose loss or gradient norm is not finite under ``--nan-policy stop``, or
+    trained state that is not finite where a checkpoint is due: one line, exit code 4. Every
+    rank raises it at the same step (the verdict is agreed)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -470,6 +481,10 @@ class RankProgram:
         """Clip the gradients to the global 2-norm ``max_norm``; the norm before clipping."""
         return clip_grad_norm_(self.local, max_norm)
 
+    def grad_norm(self) -> float:
+        """The gradients' global 2-norm (the same float on every rank), nothing clipped."""
+        return global_grad_norm(self.local)
+
     def make_optimizer(self, kind: str, lr: float):
         self.opt = ShardedOptimizer.by_name(self.local, kind, lr)
 
@@ -479,9 +494,11 @@ class RankProgram:
 
 
 def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adamw", lr: float = 1e-3,
-              ref=None, rtol: float = 1e-4, atol: float = 1e-5, say=lambda msg: None) -> dict:
+              ref=None, rtol: float = 1e-4, atol: float = 1e-5, say=lambda msg: None,
+              nan_policy: str = "stop") -> dict:
     """Forward only (``steps=0``) or ``steps`` training steps of one rank, inside its rank
-    context; compares with ``ref`` (outputs, and first-step gradients) when given."""
+    context; compares with ``ref`` (outputs, and first-step gradients) when given. A step whose
+    loss or gradient norm is not finite is handled by ``nan_policy`` (:func:`nonfinite_step`)."""
     doc, mesh = rp.doc, rp.mesh
     res = dict(ok=True, worst_out=0.0, worst_grad=0.0, problems=[], losses=[], outputs=None, grads=None)
     sync = torch.cuda.synchronize if rp.device.type == "cuda" else (lambda: None)
@@ -513,13 +530,64 @@ def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adam
                 o_ok, res["worst_out"], p1 = compare_outputs(doc, mesh, rp.rank, outs, ref, rtol, atol)
                 g_ok, res["worst_grad"], p2 = compare_grads(doc, mesh, rp.rank, rp.params, ref, rtol, atol)
                 res["ok"], res["problems"] = o_ok and g_ok, p1 + p2
-        rp.step()
+        value = global_sum(loss, loss_place, mesh)
+        skipped = nonfinite_step(rp, step + 1, value, None, nan_policy)
+        if skipped:
+            rp.opt.zero_grad(set_to_none=True)
+        else:
+            rp.step()
         sync()
         dt = time.perf_counter() - t0
-        value = global_sum(loss, loss_place, mesh)
         res["losses"].append(value)
-        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms")
+        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms" + (f"  {skipped}" if skipped else ""))
     return res
+
+
+def agreed(rp, flags) -> list:
+    """Whether any rank's flag is set, for each of ``flags``, on every rank (a sum over every
+    mesh axis). Call on every rank inside its rank context."""
+    backend = current("agreed").backend
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=rp.device)
+    for axis in rp.mesh.names:
+        t = backend.all_reduce(t, axis)
+    return [v > 0 for v in t.tolist()]
+
+
+def nonfinite_step(rp, step: int, loss: float, norm, policy: str):
+    """``--nan-policy`` before step ``step``'s optimizer step, on every rank: None where the
+    step's global ``loss`` and gradient ``norm`` (the clipping's, or None: computed here) are
+    finite or the policy is ``ignore``; where one is not, NonFiniteError under ``stop``, and
+    under ``skip-step`` the words saying why the step is skipped (the caller drops the
+    gradients instead of stepping). All ranks agree, so all skip or stop at the same step.
+
+    Example::
+
+        why = nonfinite_step(rp, 7, loss, None, "skip-step")   # e.g. "loss nan: ... skipped ..."
+    """
+    if policy == "ignore":
+        return None
+    if norm is None:
+        norm = rp.grad_norm()
+    bad_loss, bad_norm = agreed(rp, [not math.isfinite(loss), not math.isfinite(norm)])
+    if not (bad_loss or bad_norm):
+        return None
+    what = " and ".join(w for w, bad in ((f"loss {loss}", bad_loss), (f"gradient norm {norm}", bad_norm)) if bad)
+    if policy == "stop":
+        raise NonFiniteError(f"step {step}: {what}, not finite: stopped before its optimizer step "
+                             f"(--nan-policy stop; skip-step skips such steps, ignore trains on)")
+    return f"skipped: {what}, not finite (--nan-policy skip-step: no optimizer step)"
+
+
+def check_finite_state(rp, step: int, path) -> None:
+    """NonFiniteError on every rank where any rank's parameters or optimizer state hold a value
+    that is not finite: the checkpoint ``path`` due after step ``step`` is not written."""
+    def bad(t):
+        return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    mine = (any(bad(p) for p in rp.local.parameters())
+            or any(bad(v) for state in rp.opt.inner.state.values() for v in state.values()))
+    if agreed(rp, [mine])[0]:
+        raise NonFiniteError(f"step {step}: the parameters or optimizer state after the optimizer step are not "
+                             f"finite: checkpoint {path} not written, stopped")
 
 
 def describe_outputs(outs, doc, mesh) -> str:
@@ -551,6 +619,10 @@ def _parser():
                                                         "default: one forward only")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--nan-policy", choices=NAN_POLICIES, default="stop",
+                   help="a training step whose global loss or gradient norm is not finite: stop (every process "
+                        "exits 4, naming the step, before its optimizer step), skip-step (no optimizer step, "
+                        "said on its line), ignore (train on; no check)")
     p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
     p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")
     p.add_argument("--weights", help="a checkpoint (state dict by parameter name) to take parameters from")
@@ -713,6 +785,10 @@ def run(root: Path, args) -> int:
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
         rc = EXIT_USAGE
+    except NonFiniteError as e:  # on every rank at the same step (--nan-policy stop)
+        if rank == 0:
+            print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+        rc = EXIT_NONFINITE
     except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
         if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
             # peers are stopped or gone: tearing the group down could block or abort
@@ -780,10 +856,11 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
         elif doc.get("pipeline"):
             res = _pipeline().rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this())
+                                        ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, R=_this(),
+                                        nan_policy=args.nan_policy)
         else:
             res = rank_loop(rp, ctx["user"], steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say)
+                            ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
     if ctx["ref"] is None:
@@ -1077,7 +1154,8 @@ def lr_factor(schedule: dict, total: int):
 
 def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     """``args.steps`` training steps of one rank inside its rank context, with the loop's data,
-    schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``).
+    schedule, clipping and checkpoints; returns ``losses`` (and ``grad_norms``, ``lrs``, and
+    ``skipped``: the steps ``--nan-policy skip-step`` skipped).
     ``rp``: a :class:`RankProgram`, or a pipelined export's ``PipelineProgram`` (each step its
     schedule over the step's microbatches); both give ``train_step``, ``step_loss``,
     ``clip_grad_norm_``, ``step`` and ``local``."""
@@ -1108,7 +1186,7 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
             "state_dict_keys": doc.get("state_dict_keys")}
     metrics = open(args.metrics, "a") if args.metrics and rp.rank == 0 else None
-    res = dict(ok=True, losses=[], grad_norms=[], lrs=[], worst_out=0.0, worst_grad=0.0, problems=[])
+    res = dict(ok=True, losses=[], grad_norms=[], lrs=[], skipped=[], worst_out=0.0, worst_grad=0.0, problems=[])
     sync = torch.cuda.synchronize if rp.device.type == "cuda" else (lambda: None)
     t_start = time.perf_counter()
     try:
@@ -1119,11 +1197,19 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             loss = rp.train_step(user)
             norm = rp.clip_grad_norm_(args.clip_grad_norm) if args.clip_grad_norm is not None else None
             lr = opt.inner.param_groups[0]["lr"]
-            rp.step()
-            scheduler.step()
+            value = rp.step_loss(loss)
+            skipped = nonfinite_step(rp, step, value, norm, args.nan_policy)
+            if skipped:
+                opt.zero_grad(set_to_none=True)
+                res["skipped"].append(step)
+                with warnings.catch_warnings():  # the schedule follows the step count, stepped or not
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before")
+                    scheduler.step()
+            else:
+                rp.step()
+                scheduler.step()
             sync()
             dt = time.perf_counter() - t0
-            value = rp.step_loss(loss)
             res["losses"].append(value)
             res["grad_norms"].append(norm)
             res["lrs"].append(lr)
@@ -1132,13 +1218,15 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
                 line += f"  grad-norm {norm:.4f}"
             if tokens:
                 line += f"  tokens/s {tokens / dt:,.0f}"
-            say(line)
+            say(line + (f"  {skipped}" if skipped else ""))
             if metrics:
                 metrics.write(json.dumps({"step": step, "loss": value, "lr": lr, "grad_norm": norm,
                                           "tokens_per_s": tokens / dt if tokens else None, "seconds": dt}) + "\n")
                 metrics.flush()
             if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end):
                 path = Path(args.ckpt) / f"step-{step:06d}"
+                if args.nan_policy != "ignore":
+                    check_finite_state(rp, step, path)
                 ckpt.save(rp.local, opt, path, step=step, info=info,
                           extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict(),
                                  "optimizer": args.optimizer, "data": data_id})

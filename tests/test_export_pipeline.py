@@ -232,6 +232,17 @@ def test_check_fails_on_wrong_results(zb, tmp_path):
     assert any(msg.startswith(f"parameter {fqn} after the steps") for msg in problems), problems
 
 
+def test_a_nan_stops_pipelined_training_before_its_optimizer_step(zb, tmp_path):
+    """A NaN weight on the first stage: the loss (last stage) and the norm over every stage are
+    NaN on every rank, and all stop at step 1 (run.py --nan-policy stop, the default)."""
+    _, _, model, src = zb
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["layers.0.input_layernorm.weight"][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    with pytest.raises(R.NonFiniteError, match=r"step 1: loss nan and gradient norm nan, not finite: stopped"):
+        simulate_export(src, steps=2, weights=tmp_path / "nan.pt")
+
+
 def test_tied_embeddings_export(tmp_path):
     """Tied embedding and head on the first and last stage: plan.json lists the tie; the
     gradient sum across pipeline ranks runs in the export as in the plan."""

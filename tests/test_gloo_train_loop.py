@@ -104,3 +104,35 @@ def test_a_second_job_on_a_held_ckpt_directory_stops_before_its_first_step(tmp_p
     k = int(complete[1].name.split("-")[1])  # a checkpoint the first job trained past
     out = torchrun(path, "--resume", str(complete[1]), "--steps", "2", "--metrics", str(tmp_path / "b.jsonl"), *opts)
     assert [json.loads(l)["loss"] for l in (tmp_path / "b.jsonl").read_text().splitlines()] == losses[k:k + 2], out
+
+
+def test_torchrun_a_nan_loss_exits_4_on_every_process_and_skip_step_trains_on(tmp_path):
+    """A NaN weight: under --nan-policy stop (the default) both processes exit 4 before step 1's
+    optimizer step, after one line naming the step, and no checkpoint is written; under
+    skip-step every step is skipped, said on its line, and the run ends normally."""
+    import re
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"},
+                               train=True, zero_stage=3)
+    path = plan.export(tmp_path / "out")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["layers.0.input_layernorm.weight"][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    ck = tmp_path / "ck"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(torchrun_command(path, 2, "--steps", "3", "--weights", str(tmp_path / "nan.pt"), "--ckpt",
+                                           str(ck), "--save-every", "1"),
+                          env=env, capture_output=True, text=True, timeout=300)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("run.py: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("run.py: error: step 1: loss nan and gradient norm nan, not finite: stopped "
+                                "before its optimizer step (--nan-policy stop"), errors
+    # torchrun's list of the ranks' exit codes: 4; it SIGTERMs the others once one has exited, and
+    # on a loaded machine one may still be leaving the process group then (-15)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+) ", proc.stderr)
+    assert len(codes) == 2 and "4" in codes and set(codes) <= {"4", "-15"}, proc.stderr[-3000:]
+    assert "step 1/3" not in proc.stdout and list(ck.glob("*step-*")) == []
+    out = torchrun(path, "--steps", "2", "--weights", str(tmp_path / "nan.pt"), "--nan-policy", "skip-step")
+    steps = [l for l in out.splitlines() if l.startswith("step ")]
+    assert len(steps) == 2 and all(l.endswith("skipped: loss nan and gradient norm nan, not finite "
+                                              "(--nan-policy skip-step: no optimizer step)") for l in steps), out

@@ -3,7 +3,9 @@ primitive DistributedBackend uses equals the sum in rank order / the concatenati
 from all ranks' inputs, bit for bit (the simulated backend's values), through segment growth,
 more collectives in flight than slots, and payloads too large for it (gloo then). A segment
 that cannot be made leaves the group on gloo on every rank; a peer that exits or stalls fails
-the wait with CollectiveError; nothing is left in /dev/shm."""
+the wait with CollectiveError; nothing of a job is left behind (in /dev/shm or held by a
+process), whichever rank fails at whichever collective of making or growing a segment, by an
+exception, SIGKILL, SIGTERM or SIGINT, or under torchrun."""
 import os
 import sys
 import time
@@ -115,13 +117,13 @@ def test_every_primitive_through_shared_memory_equals_rank_order_sums_and_concat
     assert len(checked) == 5 * 6 + 11
     assert 0 < in_parts < transfers  # all-reduces of 64 KiB or more on 4 ranks sum in parts, others at once
     assert capacity >= 2_000_000 * 4 * 4 and generations >= 3  # grew to the a2a payload of 8M floats x 4
-    assert all(r[3] == [] for r in results), [r[3] for r in results]  # unlinked once mapped
+    assert all(r[3] == [] for r in results), [r[3] for r in results]  # segments have no name there
 
 
 def unavailable_worker(rank, world, broken):
     import torch.distributed as dist
     if broken == "create" and rank == 0:
-        shm._create = lambda path, size: False  # /dev/shm full: posix_fallocate failed
+        shm._create = lambda name, size: None  # no memory for it: posix_fallocate failed
     if broken == "map" and rank == 1:
         class _NoMap:
             MAP_SHARED = 1
@@ -129,10 +131,10 @@ def unavailable_worker(rank, world, broken):
             @staticmethod
             def mmap(*args, **kwargs):
                 raise OSError("cannot map")
-        shm.mmap = _NoMap  # another IPC namespace: the file is not there to map
+        shm.mmap = _NoMap  # the segment cannot be mapped here
     if broken == "grow" and rank == 0:
         make = shm._create
-        shm._create = lambda path, size: size < (20 << 20) and make(path, size)  # room for 1 MiB slots only
+        shm._create = lambda name, size: make(name, size) if size < (20 << 20) else None  # room for 1 MiB slots only
     mesh = Mesh({"x": world})
     backend = DistributedBackend(mesh)
     group = backend._shm["x"]
@@ -202,7 +204,7 @@ def test_shared_memory_can_be_switched_off():
 
 def connect_worker(rank, world, broken):
     if broken and rank == 0:
-        shm._create = lambda path, size: False  # /dev/shm full: posix_fallocate failed
+        shm._create = lambda name, size: None  # no memory for it: posix_fallocate failed
     backend = DistributedBackend(Mesh({"x": world}))
     before = backend.transports
     return before, backend.connect(), backend.transports, _segments()
@@ -215,3 +217,143 @@ def test_connect_reports_the_transport_the_collectives_use(broken):
     for before, connected, after, left in spawn(connect_worker, 2, broken, timeout=60):
         assert before == {"x": "shared memory"} and left == []
         assert connected == after == {"x": "gloo" if broken else "shared memory"}
+
+
+# ---- nothing is left behind, however a job ends ------------------------------------------------
+
+class _Faulty:
+    """torch.distributed for shm.py, calling ``fault(k)`` before its ``k``-th all-reduce (the
+    gloo collectives that make and replace segments: three each)."""
+
+    def __init__(self, fault):
+        self.calls, self.fault = 0, fault
+
+    def __getattr__(self, attr):
+        return getattr(torch.distributed, attr)
+
+    def all_reduce(self, *args, **kwargs):
+        self.calls += 1
+        self.fault(self.calls)
+        return torch.distributed.all_reduce(*args, **kwargs)
+
+
+def fault_worker(rank, world, name, victim, phase, how):
+    import signal
+    import torch.distributed as dist
+
+    def fault(call):
+        if call != phase or rank != victim:
+            return
+        if how == "raise":
+            raise RuntimeError(f"injected fault before setup collective {phase}")
+        os.kill(os.getpid(), getattr(signal, how))  # SIGKILL, SIGTERM: ends here; SIGINT: raises
+
+    shm.dist = _Faulty(fault)
+    group = shm.SharedMemoryGroup(dist.group.WORLD, timeout_s=60.0, name=name)
+    for numel in (1000, 1 << 20):  # 4 KB: the first segment (1 MiB slots); 4 MiB: its replacement
+        x = torch.ones(numel)
+        assert group.prepare(x)
+        group.all_reduce(x)
+    return "no fault"
+
+
+def _held(name):
+    """Files in /dev/shm, and pids of processes mapping or holding a segment, whose name starts
+    with ``name``."""
+    held = [f for f in os.listdir("/dev/shm") if f.startswith(name)]
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"/memfd:{name}" in (d / "maps").read_text():
+                    held.append(int(d.name))
+            except OSError:
+                pass
+    return held
+
+
+# (victim rank, the setup collective it fails before, how): collectives 1-3 make the first
+# segment (rank 0 has created it before 1), 4-6 replace it
+@pytest.mark.parametrize("victim, phase, how", [
+    (1, 1, "raise"),    # a peer fails before the first collective; rank 0 waits in gloo's barrier
+    (0, 1, "SIGKILL"),  # the creator killed right after creating it (no handler can run)
+    (0, 1, "SIGTERM"),  # the creator SIGTERMed there (what torchrun sends when a peer fails)
+    (0, 2, "SIGINT"),   # the creator interrupted (Ctrl-C) once every rank knows where it is
+    (1, 4, "raise"),    # growth: a peer fails once rank 0 has created the larger segment
+    (0, 5, "SIGKILL"),  # growth: the creator killed with both segments mapped
+])
+def test_a_rank_that_fails_during_setup_or_growth_leaves_nothing_behind(victim, phase, how):
+    name = f"autoshard-test-{os.getpid()}-{victim}{phase}{how}"
+    with pytest.raises(Exception) as failed:
+        spawn(fault_worker, 2, name, victim, phase, how, timeout=60)
+    # the fault happened where it was injected (not some other failure)
+    report = str(failed.value)
+    if how in ("SIGKILL", "SIGTERM"):
+        code = -9 if how == "SIGKILL" else -15
+        assert f"rank {victim} failed:\nprocess exited with code {code} without reporting" in report, report
+    else:
+        assert (f"before setup collective {phase}" if how == "raise" else "KeyboardInterrupt") in report, report
+    assert _held(name) == []
+
+
+_FAILING_JOB = '''
+import sys
+import torch
+import torch.distributed as dist
+from autoshard import Mesh
+from autoshard.runtime import DistributedBackend, distributed
+
+dist.init_process_group("gloo")
+token = distributed.job_token
+
+
+def recorded():  # the segments' names start with autoshard-<token>
+    t = token()
+    with open(sys.argv[1], "a") as f:
+        f.write(t + "\\n")
+    return t
+
+
+distributed.job_token = recorded
+backend = DistributedBackend(Mesh({"x": 2}))
+if dist.get_rank() == 1:
+    raise SystemExit("rank 1 fails before the first collective")
+backend.all_reduce(torch.ones(4), "x")  # rank 0 makes the segment and waits for rank 1
+'''
+
+
+def test_a_job_torchrun_ends_leaves_nothing_behind(tmp_path):
+    """Under torchrun, rank 1 fails before the first collective: rank 0, in the segment's
+    setup, fails in gloo's barrier or is SIGTERMed by torchrun; nothing of the job is left."""
+    import subprocess
+    script, tokens = tmp_path / "job.py", tmp_path / "tokens"
+    script.write_text(_FAILING_JOB)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "--monitor-interval=0.1", str(script), str(tokens)]
+    proc = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "rank 1 fails before the first collective" in proc.stderr, proc.stderr[-3000:]
+    token, = set(tokens.read_text().split())  # each rank's line
+    assert _held(f"autoshard-{token}") == []
+
+
+def test_a_peer_maps_only_the_segment_it_was_told_of(tmp_path):
+    """A peer opens /proc/<pid>/fd/<descriptor> of the first rank; where that pid is another
+    process (another pid namespace) the descriptor may be any file: it is mapped only when the
+    link names the segment and the file is the segment's inode and size."""
+    fd = shm._create("autoshard-test-attach-1", 1 << 16)
+    other = os.open(tmp_path / "some file", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(other, 1 << 16)
+    try:
+        identity = shm._identity(fd)
+        mapped = shm._attach(identity, "autoshard-test-attach-1", 1 << 16)
+        mapped[:3] = b"abc"  # the same memory as the creator's own mapping
+        assert shm._map(fd, 1 << 16)[:3] == b"abc"
+        mapped.close()
+        assert shm._attach(identity, "autoshard-test-attach-11", 1 << 16) is None  # another name
+        assert shm._attach(identity, "autoshard-test-attach-1", 1 << 17) is None  # another size
+        pid, _, inode, device = identity
+        assert shm._attach((pid, other, inode, device), "autoshard-test-attach-1", 1 << 16) is None  # a plain file
+        assert shm._attach((pid, fd, inode + 1, device), "autoshard-test-attach-1", 1 << 16) is None  # another inode
+    finally:
+        os.close(fd)
+        os.close(other)

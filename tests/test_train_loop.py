@@ -209,3 +209,88 @@ def test_a_ckpt_directory_is_held_by_one_job_and_a_dead_holder_is_taken_over(tmp
     lock, dead = ckpt.DirectoryLock.take(tmp_path)
     assert dead is None  # a released lock leaves no record
     lock.release()
+
+
+# ---- --nan-policy: a step whose loss or gradient norm is not finite -----------------------------
+
+def nan_weights(tmp_path):
+    """The export's weights (the same model) with one NaN in a norm's weight: every position's
+    hidden state, hence the loss and every gradient, becomes NaN from step 1 on."""
+    model, _, _ = llama_tiny(with_labels=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state[next(k for k in state if k.endswith("norm.weight"))][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    return str(tmp_path / "nan.pt")
+
+
+def _finite(state) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
+
+
+def test_a_nan_loss_stops_the_run_before_its_optimizer_step(export, tmp_path):
+    path, _, base = export
+    ck = tmp_path / "ck"
+    with pytest.raises(R.NonFiniteError, match=r"step 1: loss nan and gradient norm nan, not finite: stopped "
+                                               r"before its optimizer step \(--nan-policy stop"):
+        simulate_run(path, "--steps", "3", "--data", str(base / "tokens.bin"), "--weights", nan_weights(tmp_path),
+                     "--ckpt", str(ck), "--save-every", "1")
+    assert list(ck.glob("*step-*")) == []  # no checkpoint of NaN weights, not even a partial one
+
+
+def test_a_diverging_run_stops_and_keeps_only_finite_checkpoints(export, tmp_path):
+    """--lr 1e6: the first steps are finite, a later one is not; the checkpoints before it are
+    written and finite, none from it on (--resume then finds the newest finite one)."""
+    path, _, base = export
+    ck = tmp_path / "ck"
+    with pytest.raises(R.NonFiniteError) as failed:
+        simulate_run(path, "--steps", "8", "--data", str(base / "tokens.bin"), "--lr", "1e6", "--ckpt", str(ck),
+                     "--save-every", "1")
+    stopped = int(re.search(r"step (\d+): ", str(failed.value)).group(1))
+    assert stopped >= 2, str(failed.value)
+    saved = sorted(ck.glob("*step-*"))
+    assert [p.name for p in saved] == [f"step-{s:06d}" for s in range(1, stopped)]
+    assert all(_finite(autoshard.consolidate(p)) for p in saved)
+
+
+def test_skip_step_skips_the_step_on_every_rank_when_one_rank_has_a_nan(export, tmp_path, monkeypatch):
+    """A NaN in rank 3's gradient block of a tensor-parallel weight at step 2: the global norm is
+    NaN on every rank, all skip that optimizer step (the parameters after step 2 are those after
+    step 1), and train on."""
+    path, _, base = export
+    train_step, calls = R.RankProgram.train_step, {}
+
+    def poisoned(self, user):
+        loss = train_step(self, user)
+        calls[self.rank] = calls.get(self.rank, 0) + 1
+        if self.rank == 3 and calls[self.rank] == 2:
+            self.params["layers.0.self_attn.q_proj.weight"].grad.view(-1)[0] = float("nan")  # rank 3's own block
+        return loss
+
+    monkeypatch.setattr(R.RankProgram, "train_step", poisoned)
+    ck = tmp_path / "ck"
+    res = simulate_run(path, "--steps", "3", "--data", str(base / "tokens.bin"), "--ckpt", str(ck), "--save-every",
+                       "1", "--nan-policy", "skip-step")
+    assert [r["skipped"] for r in res] == [[2]] * 4
+    assert all(math.isfinite(v) for v in res[0]["losses"])
+    line = next(l for l in res[0]["lines"] if l.startswith("step 2/3"))
+    assert line.endswith("skipped: gradient norm nan, not finite (--nan-policy skip-step: no optimizer step)"), line
+    after = [autoshard.consolidate(ck / f"step-{s:06d}") for s in (1, 2, 3)]
+    assert all(torch.equal(after[0][k], after[1][k]) for k in after[0])  # step 2 changed nothing
+    assert not all(torch.equal(after[1][k], after[2][k]) for k in after[1])  # step 3 trained
+
+
+def test_nan_policy_ignore_trains_on_as_before(export, tmp_path):
+    path, _, base = export
+    ck = tmp_path / "ck"
+    res = simulate_run(path, "--steps", "2", "--data", str(base / "tokens.bin"), "--weights", nan_weights(tmp_path),
+                       "--ckpt", str(ck), "--nan-policy", "ignore")
+    assert all(math.isnan(v) for v in res[0]["losses"]) and res[0]["skipped"] == []
+    assert not _finite(autoshard.consolidate(ck / "step-000002"))  # no check: saved as it is
+
+
+def test_a_nan_stops_the_plain_training_steps_too(export, tmp_path):
+    """run.py --steps N without loop options (rank_loop) follows the same policy."""
+    from autoshard.passes.export import simulate_export
+    path, _, _ = export
+    with pytest.raises(R.NonFiniteError, match=r"step 1: loss nan and gradient norm nan, not finite"):
+        simulate_export(path, steps=2, weights=nan_weights(tmp_path))

@@ -24,11 +24,16 @@ same order (the SPMD program), so sequence numbers match across ranks.
 
 The segment is created by the group's first rank with room for the largest payload seen (it is
 replaced by a larger one when a payload does not fit: every rank sees the same sizes, so all
-replace it at the same collective), mapped by the others, and unlinked as soon as all have
-mapped it: nothing stays in ``/dev/shm`` after the job, whatever way it ends. Its memory is
-reserved when it is created (``posix_fallocate``), so a full ``/dev/shm`` fails there instead
-of a write later: payloads too large for the segment the group has then go through gloo (all
-of them, if it has none).
+replace it at the same collective) as an anonymous file (``memfd_create``): it has no name in
+``/dev/shm`` or anywhere else. The others open it through ``/proc/<pid>/fd/<descriptor>`` of the
+first rank (checking the link's name and the inode) and map it; the first rank closes its
+descriptor once all have. The kernel frees the memory when the last process that maps it ends,
+whatever way it ends (an exception, SIGTERM, SIGKILL at any moment of setup or growth): nothing
+of the job is left behind, and there is nothing for a later job to clean up. Its memory is
+reserved when it is created (``posix_fallocate``), so memory that cannot be had fails there
+instead of as a SIGBUS on a later write: payloads too large for the segment the group has then
+go through gloo (all of them, if it has none), as they do where the peers cannot open the first
+rank's descriptor (another pid namespace).
 
 A wait that sees no progress fails with :class:`CollectiveError` naming the ranks it waits for:
 after the group's timeout (a stalled peer), or as soon as a peer's process has exited.
@@ -68,7 +73,8 @@ _PAGE = 4096
 
 def usable_here() -> bool:
     """Whether shared-memory collectives may run on this machine (ordered stores: x86-64)."""
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    return (platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create")
+            and os.path.isdir(f"/proc/{os.getpid()}/fd"))
 
 
 def all_on_this_host() -> bool:
@@ -111,7 +117,7 @@ class SharedMemoryGroup:
         self.n, self.me = len(self.ranks), self.ranks.index(dist.get_rank())
         self.timeout_s = timeout_s
         self.crowded = dist.get_world_size() > len(os.sched_getaffinity(0))  # more ranks than cores here
-        self.path = f"/dev/shm/{name}-{min(self.ranks)}-{self.n}"
+        self.name = f"{name}-{min(self.ranks)}-{self.n}"  # its segments' names, in /proc/<pid>/fd
         self.seq = 0  # collectives started so far
         self.floor = 0  # collectives before the current segment (all finished in the old one)
         self.capacity = 0  # bytes per slot; 0: no segment yet
@@ -270,31 +276,30 @@ class SharedMemoryGroup:
         control = -(-8 * (3 * self.WINDOW + 1) * self.n // _PAGE) * _PAGE
         size = control + self.WINDOW * self.n * capacity
         self.generation += 1
-        path = f"{self.path}-{self.generation}"
-        made = self.me != 0 or _create(path, size)
-        fd = None
-        if self._all(made):  # also the barrier: the file exists for everyone after it
-            try:
-                fd = os.open(path, os.O_RDWR)
-                mapped = mmap.mmap(fd, size, mmap.MAP_SHARED)
-            except OSError:
-                mapped = None
-            finally:
-                if fd is not None:
-                    os.close(fd)
-            ok = self._all(mapped is not None)
-        else:
-            ok, mapped = False, None
-        if self.me == 0:
-            try:
-                os.unlink(path)  # every rank has mapped it (or given up): the name is not needed
-            except OSError:
-                pass
+        name = f"{self.name}-{self.generation}"
+        fd = mapped = None
+        try:
+            fd = _create(name, size) if self.me == 0 else None
+            # Rank 0's pid, descriptor and inode to every rank (zeros: none made); also the
+            # barrier after which its descriptor is there to open.
+            first = self._from_first_rank(_identity(fd) if fd is not None else (0, 0, 0, 0))
+            if first[0]:
+                mapped = _map(fd, size) if self.me == 0 else _attach(first, name, size)
+            ok = self._all(mapped is not None)  # after it no rank opens rank 0's descriptor
+        except BaseException:
+            if mapped is not None:
+                mapped.close()
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)  # the mappings hold the memory; the last one gone frees it
         if not ok:
             if self.capacity:
                 self.too_big = nbytes
             else:
                 self.usable = False
+            if mapped is not None:
+                mapped.close()
             return False
         self._mapping = mapped
         self._bytes = torch.frombuffer(mapped, dtype=torch.uint8)
@@ -309,6 +314,13 @@ class SharedMemoryGroup:
         self._control, self.capacity = control, capacity
         self.floor = self.seq
         return True
+
+    def _from_first_rank(self, numbers) -> list:
+        """The group's first rank's ``numbers`` (integers), on every rank (a gloo all-reduce
+        of them and the others' zeros: a barrier too)."""
+        t = torch.tensor(numbers if self.me == 0 else [0] * len(numbers), dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
 
     def _all(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (a gloo all-reduce: a barrier too)."""
@@ -338,20 +350,74 @@ class _Transfer:
         return True
 
 
-def _create(path: str, size: int) -> bool:
-    """A new file of ``size`` bytes, all reserved (False where /dev/shm cannot hold it)."""
+def _create(name: str, size: int):
+    """A descriptor of a new anonymous file of ``size`` bytes, all reserved; None where memory
+    for it cannot be had. It has no name in any directory: nothing is left of it once every
+    descriptor and mapping of it is gone, however the processes end.
+
+    No ``/dev/shm`` size limit applies to such a file, so one that would take more than half
+    the memory the machine has available is refused here instead."""
+    if size > _available_bytes() // 2:
+        return None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
     except OSError:
-        return False
+        return None
     try:
         os.posix_fallocate(fd, 0, size)
-        return True
+        return fd
     except OSError:
-        os.unlink(path)
-        return False
-    finally:
         os.close(fd)
+        return None
+
+
+def _available_bytes() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _identity(fd: int) -> tuple:
+    """(pid, descriptor, inode, device): what a peer needs to open ``fd`` of this process and
+    know that it opened that file."""
+    st = os.fstat(fd)
+    return os.getpid(), fd, st.st_ino, st.st_dev
+
+
+def _map(fd: int, size: int):
+    """A shared mapping of ``fd``'s ``size`` bytes; None where it cannot be made."""
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED)
+    except OSError:
+        return None
+
+
+def _attach(identity, name: str, size: int):
+    """A shared mapping of the segment that :func:`_identity` describes, opened through
+    ``/proc/<pid>/fd/<descriptor>``; None where it cannot be (another pid namespace, where the
+    pid is another process's or none; /proc not readable). The link must name the segment and
+    the file opened must be its inode: a descriptor of anything else is never mapped."""
+    pid, fd, inode, device = identity
+    link = f"/proc/{pid}/fd/{fd}"
+    try:
+        if not os.readlink(link).startswith(f"/memfd:{name} "):
+            return None
+        mine = os.open(link, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(mine)
+        if (st.st_ino, st.st_dev, st.st_size) != (inode, device, size):
+            return None
+        return _map(mine, size)
+    finally:
+        os.close(mine)
 
 
 def _alive(pid: int) -> bool:
