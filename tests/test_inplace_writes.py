@@ -179,7 +179,7 @@ class ShiftRight(nn.Module):
         shifted[:, 0] = self.start
         shifted.masked_fill_(shifted == 5, 0)
         logits = self.head(self.emb(shifted))
-        keep = (shifted != 0).float()
+        keep = (labels != 0).float()  # per position: the shifted tokens share the labels' sequence dim
         loss = F.cross_entropy(logits.transpose(1, 2), shifted) + (logits.sum(-1) * keep).sum() * 1e-2
         return loss if self.loss_only else (loss, shifted)
 
