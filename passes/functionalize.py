@@ -271,7 +271,8 @@ def _write(s: _Versions, node: fx.Node) -> bool:
         # stays in place; it writes into the current storage, so readers after it see it
         return False
     b = Builder(s.graph, node)
-    new = b(fn, *node.args, **node.kwargs) if isinstance(fn, torch._ops.OpOverload) else fn(b, *node.args, **node.kwargs)
+    op = isinstance(fn, torch._ops.OpOverload)
+    new = b(fn, *node.args, **node.kwargs) if op else fn(b, *node.args, **node.kwargs)
     want = dst.meta["val"]
     if new.meta["val"].dtype != want.dtype:  # an in-place op keeps its operand's dtype
         new = b(aten._to_copy.default, new, dtype=want.dtype)

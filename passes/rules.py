@@ -839,7 +839,8 @@ def _positions(b, base, dim):
 def _in_range(b, pos, start: int, end: int, step: int):
     mask = b(aten.logical_and.default, b(aten.ge.Scalar, pos, start), b(aten.lt.Scalar, pos, end))
     if step != 1:
-        mask = b(aten.logical_and.default, mask, b(aten.eq.Scalar, b(aten.remainder.Scalar, b(aten.sub.Scalar, pos, start), step), 0))
+        offset = b(aten.remainder.Scalar, b(aten.sub.Scalar, pos, start), step)
+        mask = b(aten.logical_and.default, mask, b(aten.eq.Scalar, offset, 0))
     return mask
 
 
@@ -890,7 +891,8 @@ def masked_index_put_as_where(b, base, indices, values, accumulate: bool = False
     shape, mshape = b.shape(base), b.shape(idx[0])
     if shape[:len(mshape)] != mshape:
         return None
-    mask = idx[0] if len(mshape) == len(shape) else b(aten.reshape.default, idx[0], mshape + [1] * (len(shape) - len(mshape)))
+    mask = idx[0] if len(mshape) == len(shape) else \
+        b(aten.reshape.default, idx[0], mshape + [1] * (len(shape) - len(mshape)))
     value = b(aten.reshape.default, values, []) if b.shape(values) else values
     return b(aten.where.self, mask, value, base)
 

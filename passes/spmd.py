@@ -736,7 +736,8 @@ class _Rewriter:
         if is_inplace(node.target) and self.writes_into_copy(node, args) and aliases_read_later(node):
             raise LayoutError(
                 f"{self.where(node)} writes in place into {node.args[0].name}, whose aliases are read later, but "
-                f"this layout converts it (or the tensor it is a view of) first ({self.reason(node, ix, modes, ix.inputs[0][1])}): "
+                f"this layout converts it (or the tensor it is a view of) first "
+                f"({self.reason(node, ix, modes, ix.inputs[0][1])}): "
                 f"the write would land in a copy. Shard the dims of {node.args[0].name} as the values written into it "
                 f"are, or leave them whole")
         places = [tuple(p) for p in out_place]
