@@ -3,8 +3,9 @@
 Keeps parameter/buffer FQNs, ``nn_module_stack`` and ``stack_trace``; drops export-only nodes
 (``_assert_tensor_metadata`` and friends); rewrites mean-reduced cross-entropy into a sum over
 tokens divided by a count of valid tokens, so that a loss over a split batch is reduced globally
-(no hidden averaging). The user's module is never modified. Features a plan would not reproduce
-exactly are refused or warned about here (``passes/guards.py``).
+(no hidden averaging); makes in-place writes functional (``passes/functionalize.py``). The
+user's module is never modified. Features a plan would not reproduce exactly are refused or
+warned about here (``passes/guards.py``).
 
 Example::
 
@@ -28,6 +29,7 @@ from autoshard.runtime.inputs import InputMismatchError
 
 from .decompose import decompose
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
+from .functionalize import functionalize
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
@@ -167,6 +169,7 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     warn_dropout(graph)
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
+    functionalize(graph)  # in-place writes -> functional ops: no write lands in a copy
     decompose(graph)
     _rewrite_reduced_cross_entropy(graph)
     graph.eliminate_dead_code()

@@ -37,6 +37,20 @@ class Builder:
     def shape(x) -> list:
         return list(x.meta["val"].shape)
 
+    @staticmethod
+    def device(x) -> torch.device:
+        """The device ``x`` is computed on (the nodes a Builder makes carry meta values: the
+        nearest input captured with a real one says)."""
+        todo, seen = [x], set()
+        while todo:
+            n = todo.pop(0)
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                return v.device
+            seen.add(n)
+            todo += [a for a in n.all_input_nodes if a not in seen]
+        return torch.device("cpu")
+
     def __call__(self, target, *args, **kwargs) -> fx.Node:
         meta_args, meta_kwargs = pytree.tree_map(_as_meta, (args, kwargs))
         with self.graph.inserting_before(self.anchor):
@@ -54,13 +68,16 @@ def _as_meta(x):
 
 
 def decompose(graph: fx.Graph) -> int:
-    """Replace every node whose op is in ``rules.DECOMPOSITIONS``; returns how many."""
+    """Replace every node whose op is in ``rules.DECOMPOSITIONS`` (a function returning None
+    keeps that node); returns how many."""
     n = 0
     for node in list(graph.nodes):
         fn = DECOMPOSITIONS.get(node.target) if node.op == "call_function" else None
         if fn is None:
             continue
         new = fn(Builder(graph, node), *node.args, **node.kwargs)
+        if new is None:  # this call of the op has a rule as it is
+            continue
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         n += 1

@@ -539,6 +539,64 @@ def index_put_rule(node: fx.Node) -> Indexing:
     return Indexing(ins, [letters], local=frozenset(local - {None}), linear=(0, len(ins) - 1), joint=True)
 
 
+def scatter_rule(add: bool):
+    """scatter(self, dim, index, src | value) / scatter_add: out = self with, along ``dim``,
+    out[.., index[.., j, ..], ..] = src[.., j, ..] (``add``: +=). Positions of self along
+    ``dim`` stay whole (an index names any of them); the other dims are shared where self, index
+    and src have equal sizes (a rank's block of rows writes its own rows), else whole. For a
+    sum (scatter_add) the index positions are summed: a split of them leaves a Partial result,
+    self added once (additive). Overwriting scatters keep them whole (the last write wins)."""
+
+    def rule(node: fx.Node) -> Indexing:
+        x, idx = node.args[0], node.args[2]
+        src = node.args[3] if len(node.args) > 3 and is_tensor_node(node.args[3]) else node.kwargs.get("src")
+        xs, js = shape_of(x), shape_of(idx)
+        ss = shape_of(src) if is_tensor_node(src) else js
+        d = norm_dim(node.args[1], len(xs)) if xs else 0
+        xl, il, sl, local = [], [], [], set()
+        for k in range(len(js)):
+            if k == d:
+                xl.append("dst"); local.add("dst")
+                shared = ss[k] == js[k]
+                il.append("pos"); sl.append("pos" if shared else "spos")
+                local |= {"spos"} | (set() if add and shared else {"pos"})
+            elif xs[k] == js[k] == ss[k]:
+                xl.append(f"d{k}"); il.append(f"d{k}"); sl.append(f"d{k}")
+            else:
+                xl.append(f"x{k}"); il.append(f"j{k}"); sl.append(f"s{k}"); local |= {f"x{k}", f"j{k}", f"s{k}"}
+        fix = lambda ls, shp: [None if n == 1 else l for l, n in zip(ls, shp)]  # noqa: E731
+        ins = [((0,), fix(xl, xs)), ((2,), fix(il, js))]
+        linear, additive, summed = (), frozenset(), frozenset()
+        if is_tensor_node(src):
+            ins.append(((3,) if len(node.args) > 3 else ("kw", "src"), fix(sl, ss)))
+            linear = (3,) if add else (0, 3)
+        if add and "pos" not in local:
+            summed, additive = frozenset({"pos"}), frozenset({0})
+        lin = tuple(k for k, (p, _) in enumerate(ins) if p[0] in linear)
+        return Indexing(ins, [fix(xl, xs)], summed=summed, local=frozenset(local), linear=lin,
+                        joint=not add and len(lin) == 2, additive=additive)
+
+    rule.__doc__ = f"scatter rule ({'sum' if add else 'overwrite'})"
+    return rule
+
+
+def index_add_rule(node: fx.Node) -> Indexing:
+    """index_add(self, dim, index [j], source, alpha): self[.., index[j], ..] += alpha * source[.., j, ..].
+    Self's positions along ``dim`` stay whole; the index positions j are summed (a split of
+    them leaves a Partial result, self added once); the other dims are shared with source."""
+    xs = shape_of(node.args[0])
+    d = norm_dim(node.args[1], len(xs))
+    xl = _letters(xs)
+    xl[d] = "dst" if xs[d] != 1 else None
+    sl = list(xl)
+    ss = shape_of(node.args[3])
+    sl[d] = None if ss[d] == 1 else "pos"
+    ins = [((0,), xl), ((2,), [None if shape_of(node.args[2])[0] == 1 else "pos"] if shape_of(node.args[2]) else []),
+           ((3,), sl)]
+    return Indexing(ins, [xl], summed=frozenset({"pos"}), local=frozenset({"dst"}), linear=(2,),
+                    additive=frozenset({0}))
+
+
 def pad_rule(node: fx.Node) -> Indexing:
     """pad / constant_pad_nd: padded dims stay whole (positions shift); the others are shared.
     Zero constant padding is linear (a pending sum may pass through)."""
@@ -633,7 +691,7 @@ BINARY = [
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
     aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
-    aten.fill.Tensor, aten.fill.Scalar,
+    aten.fill.Tensor, aten.fill.Scalar, aten.zero.default,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
@@ -706,6 +764,10 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.index.Tensor: index_rule,
     aten.index_put.default: index_put_rule,
     aten.gather.default: gather_rule,
+    aten.scatter.src: scatter_rule(add=False),
+    aten.scatter.value: scatter_rule(add=False),
+    aten.scatter_add.default: scatter_rule(add=True),
+    aten.index_add.default: index_add_rule,
     aten.pad.default: pad_rule,
     aten.constant_pad_nd.default: pad_rule,
     aten.diff.default: diff_rule,
@@ -766,10 +828,83 @@ def repeat_interleave_as_expand(b, x, repeats: int, dim=None, output_size=None):
     return b(aten.reshape.default, wide, shape[:d] + [shape[d] * repeats] + shape[d + 1:])
 
 
+def _positions(b, base, dim):
+    """arange(n) of ``base``'s dim as a [1, .., n, .., 1] tensor: each element's position there.
+    Elementwise ops on it shard with the dim: a rank's block holds its global positions."""
+    shape = b.shape(base)
+    pos = b(aten.arange.default, shape[dim], dtype=torch.int64, device=b.device(base))
+    return b(aten.reshape.default, pos, [n if k == dim else 1 for k, n in enumerate(shape)])
+
+
+def _in_range(b, pos, start: int, end: int, step: int):
+    mask = b(aten.logical_and.default, b(aten.ge.Scalar, pos, start), b(aten.lt.Scalar, pos, end))
+    if step != 1:
+        offset = b(aten.remainder.Scalar, b(aten.sub.Scalar, pos, start), step)
+        mask = b(aten.logical_and.default, mask, b(aten.eq.Scalar, offset, 0))
+    return mask
+
+
+def select_scatter_as_where(b, base, src, dim: int, index: int):
+    """select_scatter(base, src, d, i) == where(position == i, src.unsqueeze(d), base): an
+    elementwise form, so a split of dim d needs no data moved (the rank owning position i
+    writes it; global positions come from the position table's block) and gradients follow
+    where's (src gets the gradient at i, base everywhere else)."""
+    shape = b.shape(base)
+    d = norm_dim(dim, len(shape))
+    i = index + shape[d] if index < 0 else index
+    mask = b(aten.eq.Scalar, _positions(b, base, d), i)
+    return b(aten.where.self, mask, b(aten.unsqueeze.default, src, d), base)
+
+
+def slice_scatter_as_where(b, base, src, dim: int = 0, start=None, end=None, step: int = 1):
+    """slice_scatter(base, src, d, start, end, step) == where(position in the slice, src padded
+    to base's length at its positions, base): elementwise in base's dim d (see
+    select_scatter_as_where); the padded src is built whole (pad) and each rank reads its block."""
+    shape = b.shape(base)
+    d = norm_dim(dim, len(shape))
+    n, step = shape[d], step or 1
+    start, end, _ = slice(start, end, step).indices(n)
+    m = b.shape(src)[d]
+    if m == 0:
+        return base
+    wide = src
+    if step != 1:  # src[j] at offset j * step: interleave step - 1 zeros, cut at the slice's end
+        wide = b(aten.unsqueeze.default, src, d + 1)
+        wide = b(aten.constant_pad_nd.default, wide, [0, 0] * (len(shape) - 1 - d) + [0, step - 1])
+        wide = b(aten.reshape.default, wide, shape[:d] + [m * step] + b.shape(src)[d + 1:])
+        wide = b(aten.slice.Tensor, wide, d, 0, min(m * step, n - start))
+    length = b.shape(wide)[d]
+    pads = [0, 0] * (len(shape) - 1 - d) + [start, n - start - length]
+    if any(pads):
+        wide = b(aten.constant_pad_nd.default, wide, pads)
+    mask = _in_range(b, _positions(b, base, d), start, end, step)
+    return b(aten.where.self, mask, wide, base)
+
+
+def masked_index_put_as_where(b, base, indices, values, accumulate: bool = False):
+    """x[mask] = v with one boolean mask over x's leading dims and a single value: the
+    elementwise where(mask, v, x) (shards like a masked_fill); other index_puts keep their rule."""
+    idx = [t for t in indices if t is not None]
+    if accumulate or len(idx) != 1 or len(indices) != 1 or idx[0].meta["val"].dtype != torch.bool or \
+            values.meta["val"].numel() != 1:
+        return None
+    shape, mshape = b.shape(base), b.shape(idx[0])
+    if shape[:len(mshape)] != mshape:
+        return None
+    mask = idx[0] if len(mshape) == len(shape) else \
+        b(aten.reshape.default, idx[0], mshape + [1] * (len(shape) - len(mshape)))
+    value = b(aten.reshape.default, values, []) if b.shape(values) else values
+    return b(aten.where.self, mask, value, base)
+
+
 # Ops rewritten at capture into ops with rules (passes/decompose.py): their result's dims are
-# not one letter each (a dim that is an input dim followed by a new one).
+# not one letter each (a dim that is an input dim followed by a new one), or a position they
+# address would be a global index into a split dim (the scatters of passes/functionalize.py).
 DECOMPOSITIONS = {
     aten.repeat_interleave.self_int: repeat_interleave_as_expand,
+    aten.select_scatter.default: select_scatter_as_where,
+    aten.slice_scatter.default: slice_scatter_as_where,
+    aten.index_put.default: masked_index_put_as_where,
 }
 
 

@@ -43,8 +43,8 @@ from autoshard.runtime.ring_attention import zigzag_permute
 from .dims import DimInfo, module_of, source_line
 from .grad_regions import bucketable_region, drop_marks, sum_regions_in_storage, use_kind
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
-from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, aliases_read_later, get_path,
-                    is_inplace, is_tensor_node, shape_of)
+from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
+                    get_path, is_inplace, is_tensor_node, shape_of)
 
 aten = torch.ops.aten
 
@@ -242,6 +242,7 @@ class _Rewriter:
         self.fallbacks: list = []
         self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
         self.soft_gathers: dict = {}  # (local node, axis) -> its one gather (soft entries)
+        self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
         self.tag = 0
         self.unit_memo: dict = {}  # (leaves, axis, soft) -> unit (the layout is fixed for one rewrite)
 
@@ -585,6 +586,19 @@ class _Rewriter:
     def visit(self, node: fx.Node):
         if node in self.regions:
             return self.regions[node](self, node)
+        self.visit_op(node)
+        src = node.args[0] if node.args else None
+        if isinstance(src, fx.Node) and _is_view(node) and (
+                src in self.copies or (node.target is not GETITEM and self.local[node].args[0] is not self.local[src])):
+            # a view of a converted copy: a write through it would not reach src's storage
+            self.copies.add(node)
+
+    def writes_into_copy(self, node, args) -> bool:
+        """Whether an in-place node's write lands in a copy of the tensor it names: its operand
+        was converted, or it is a view of a value converted before a view op."""
+        return args[0] is not self.local[node.args[0]] or node.args[0] in self.copies
+
+    def visit_op(self, node: fx.Node):
         if node.target is GETITEM:
             src, i = node.args
             new = self.g.call_function(operator.getitem, (self.local[src], i))
@@ -719,12 +733,13 @@ class _Rewriter:
             for k in range(len(ix.outputs)):
                 out_place[k][i] = P if passthrough else R
         args, kwargs = self.map_args(node, ix, targets, varying_axes, modes)
-        if is_inplace(node.target) and args[0] is not self.local[node.args[0]] and aliases_read_later(node):
+        if is_inplace(node.target) and self.writes_into_copy(node, args) and aliases_read_later(node):
             raise LayoutError(
                 f"{self.where(node)} writes in place into {node.args[0].name}, whose aliases are read later, but "
-                f"this layout needs it converted there ({self.reason(node, ix, modes, ix.inputs[0][1])}): the write "
-                f"would land in a copy. Shard the dims of {node.args[0].name} as the values written into it are, "
-                f"or leave them whole")
+                f"this layout converts it (or the tensor it is a view of) first "
+                f"({self.reason(node, ix, modes, ix.inputs[0][1])}): "
+                f"the write would land in a copy. Shard the dims of {node.args[0].name} as the values written into it "
+                f"are, or leave them whole")
         places = [tuple(p) for p in out_place]
         if node.target in SIZE_ARG:  # sizes written into the op become local sizes
             args = list(args)
@@ -878,7 +893,7 @@ class _Rewriter:
 
         args = tuple(conv(a) for a in node.args)
         kwargs = {k: conv(v) for k, v in node.kwargs.items()}
-        if is_inplace(node.target) and args[0] is not self.local[node.args[0]] and aliases_read_later(node):
+        if is_inplace(node.target) and self.writes_into_copy(node, args) and aliases_read_later(node):
             raise LayoutError(f"{self.where(node)} has no sharding rule and writes in place into {node.args[0].name}, "
                               f"whose aliases are read later: gathering it would write into a copy; leave the dims "
                               f"of {node.args[0].name} whole in the layout")

@@ -7,7 +7,11 @@ module and oracle) wrapped with a random mix of
 - a division by an input's size (``x.shape[0]``), a Python scalar argument and a Python bool,
 - an in-place update of a buffer (a call counter),
 - a custom ``torch.autograd.Function``, applied to a value that needs gradients or to the input,
-- dropout, in training mode (p > 0) or inactive (eval mode, or p = 0).
+- dropout, in training mode (p > 0) or inactive (eval mode, or p = 0),
+- an in-place write into a clone of the program's first output along one of its dims (an index,
+  a slice with or without a step, a mask, a scatter or scatter_add, ``copy_`` into a slice,
+  ``fill_``, an index_put, an update read through a view taken before it), with that dim split
+  on a simulated mesh of each kind and left whole in the other layouts.
 
 The generator predicts each case's outcome without the library: a buffer update or a Function
 on a value that needs gradients must be refused at capture (``UnsupportedModelError``); active
@@ -15,7 +19,8 @@ dropout must warn (``DropoutWarning``); everything else must reproduce the singl
 and every gradient (``simulate`` and ``simulate_grads``) on two small simulated meshes; and a
 call with another batch size, dtype, scalar or flag than planned must raise
 ``InputMismatchError`` naming that input. Every (program, check) pair is one case; a CI run
-makes at least 300 (``AUTOSHARD_FUZZ_PROGRAMS`` programs, 60 by default).
+makes at least 300 (``AUTOSHARD_FUZZ_PROGRAMS`` programs, 60 by default), at least 200 of them
+planned programs with an in-place write, each exact or refused with a ``LayoutError``.
 
 Reproduce one program with ``pytest tests/test_fuzz_exact.py -k fuzz_17``.
 """
@@ -63,6 +68,7 @@ class Features:
     buffer: bool = False
     function: str | None = None  # "grad" (on an activation) | "input" (on x: no gradient flows)
     dropout: tuple | None = None  # (p, training)
+    write: tuple | None = None  # (family, dim, i, start, length): see apply_write
     outcome: str = "exact"  # exact | refused | warned
 
     def describe(self) -> str:
@@ -102,6 +108,9 @@ class Fuzz(nn.Module):
         if f.function == "input":
             x = Times2.apply(x)
         outs = run_steps(self.body, self.body.prog, x, idx)
+        if f.write is not None:
+            w = apply_write(outs[1], f.write)
+            outs = (outs[0] + (w * w).mean(), w, *outs[2:])
         loss, first = outs[0], outs[1]
         if f.function == "grad":
             first = Times2.apply(first)
@@ -125,6 +134,57 @@ class Fuzz(nn.Module):
         return (loss, *outs[1:])
 
 
+WRITES = ["index", "index_src", "slice", "slice_step", "mask", "scatter", "scatter_add", "copy", "fill",
+          "index_put", "alias"]
+
+
+def draw_write(seed: int, shape: list) -> tuple | None:
+    """(family, dim, i, start, length) of a write into a tensor of ``shape`` (from its own
+    stream, so the other features of a seed do not change)."""
+    r = random.Random(f"fuzz-write-{seed}")
+    dims = [k for k, n in enumerate(shape) if n >= 2]
+    if not dims:
+        return None
+    d = r.choice(dims)
+    n = shape[d]
+    start = r.randrange(n - 1)
+    return r.choice(WRITES), d, r.randrange(n), start, r.randint(1, n - start - 1) if n - start > 1 else 1
+
+
+def apply_write(v, spec):
+    """A clone of ``v`` written in place as ``spec`` says, plus a view of it taken before the
+    write (which must see the write) read after it."""
+    fam, d, i, start, length = spec
+    n = v.shape[d]
+    at = lambda k: (slice(None),) * d + (k,)  # noqa: E731
+    z = torch.sin(v)
+    y = v.clone()
+    before = y.select(d, i)
+    if fam == "index":
+        y[at(i)] = 0.75
+    elif fam == "index_src":
+        y[at(i)] = z.select(d, (i + 1) % n) * 2
+    elif fam == "slice":
+        y[at(slice(start, start + length))] = z.narrow(d, n - length, length)
+    elif fam == "slice_step":
+        y[at(slice(start, None, 2))] = z.narrow(d, 0, len(range(start, n, 2)))
+    elif fam == "mask":
+        y.masked_fill_(z.detach() > 0.3, -0.5)
+    elif fam == "scatter":
+        y.scatter_(d, z.detach().argsort(dim=d), z * 0.5)
+    elif fam == "scatter_add":
+        y.scatter_add_(d, (z.detach() * 7).long().remainder(n), z)
+    elif fam == "copy":
+        y.narrow(d, 1, n - 1).copy_(z.narrow(d, 0, n - 1))
+    elif fam == "fill":
+        y.narrow(d, start, length).fill_(1.25)
+    elif fam == "index_put":
+        y[at(torch.tensor([i, (i + 1) % n]))] = z.narrow(d, 0, 2) + 1
+    else:  # "alias": an update of the whole tensor, read through the view taken before it
+        y.mul_(z)
+    return y + before.unsqueeze(d) * 0.1
+
+
 @dataclass
 class Case:
     prog: object
@@ -140,6 +200,7 @@ def make_case(seed: int) -> Case:
     r = random.Random(f"fuzz-{seed}")
     prog = Gen(50_000 + seed).build()
     feats = draw_features(r)
+    feats.write = draw_write(seed, prog.shape(prog.syms[prog.outputs[0]].dims))
     xshape = prog.shape(prog.inputs["x"])
     torch.manual_seed(seed)
     model = Fuzz(prog, feats, len(xshape), xshape[-1])
@@ -197,6 +258,33 @@ def layouts(c: Case, r: random.Random) -> list:
     return out
 
 
+def write_layouts(c: Case, r: random.Random) -> list:
+    """(mesh, layout) pairs that split the written dim: one per mesh kind of the property suite
+    (on {a: 2, b: 2} with a random other dim on the other axis, and split on both axes), and on
+    {x: 2} one that leaves it whole and splits another dim; those the generator predicts valid."""
+    p, w = c.prog, c.feats.write
+    if w is None:
+        return []
+    leaves = p.leaves(p.syms[p.outputs[0]].dims[w[1]])
+    name = leaves[0] if leaves and leaves[0] in p.names() else None
+    if name is None:
+        return []
+    out = []
+    for mesh in MESHES:
+        axes = list(mesh)
+        lay = {name: axes[0]}
+        others = [n for n in p.names() if n != name]
+        if len(axes) > 1 and others:
+            lay[r.choice(others)] = axes[1]
+        if predict(p, mesh, lay)[0] is not None:
+            lay = {name: axes[0]}
+        tries = [lay] + ([{name: tuple(axes)}] if len(axes) > 1 else [])  # and split on both axes
+        if mesh == {"x": 2} and others:  # and whole, another dim split
+            tries.append({r.choice(others): "x"})
+        out += [(mesh, t) for t in tries if predict(p, mesh, t)[0] is None]
+    return out
+
+
 def mismatched_calls(c: Case, r: random.Random) -> list:
     """(what, args, kwargs, input name) calls that differ from the planned one in one input."""
     x = c.args[0]
@@ -227,7 +315,7 @@ def run_case(seed: int) -> Case:
     c = make_case(seed)
     r = random.Random(f"fuzz-calls-{seed}")
     feats = c.feats
-    pairs = layouts(c, r)
+    pairs = layouts(c, r) + write_layouts(c, random.Random(f"fuzz-write-layouts-{seed}"))
     before = {n: b.clone() for n, b in c.model.named_buffers()}
     if feats.outcome == "refused":
         with pytest.raises(autoshard.UnsupportedModelError) as e:
@@ -259,16 +347,25 @@ def run_case(seed: int) -> Case:
         return get
 
     for i, (mesh, layout) in enumerate(pairs):
-        plan = first if i == 0 else plan_for(c, mesh, layout, captured=first.captured)
-        out = plan.simulate(*c.args, **c.kwargs)
-        for k, (o, ref) in enumerate(zip(out, ref_out)):
-            close(o, ref, f"{mesh} {layout}: simulate output {k}", exact(k))
+        try:
+            plan = first if i == 0 else plan_for(c, mesh, layout, captured=first.captured)
+        except autoshard.LayoutError as e:
+            # exact or refused: a layout of the written dim may be refused, in one line naming the node
+            # and module (a pending sum split on two axes cannot become a two-axis split in this order)
+            msg = str(e)
+            assert i >= 2 and "\n" not in msg and "node " in msg and " in module '" in msg, msg
+            c.outcomes.append("refused: write")
+            continue
+        if i < 2:  # the layouts that split the written dim check the outputs of simulate_grads alone
+            out = plan.simulate(*c.args, **c.kwargs)
+            for k, (o, ref) in enumerate(zip(out, ref_out)):
+                close(o, ref, f"{mesh} {layout}: simulate output {k}", exact(k))
         out, grads = plan.simulate_grads(*c.args, **c.kwargs)
         for k, (o, ref) in enumerate(zip(out, ref_out)):
             close(o, ref, f"{mesh} {layout}: simulate_grads output {k}", exact(k))
         for n, g in ref_grads.items():
             close(grads[n], g, f"{mesh} {layout}: grad of {n}", exact(0, n))
-        c.outcomes.append("exact")
+        c.outcomes.append("exact" if feats.write is None else "exact: write")
     for what, args, kwargs, name in mismatched_calls(c, r):
         with pytest.raises(autoshard.InputMismatchError, match=rf"^input {name} ") as e:
             first.simulate(*args, **kwargs)
@@ -297,5 +394,8 @@ def test_fuzz_summary():
             RESULTS[seed] = run_case(seed).outcomes
     counts = Counter(o.split(":")[0] for outs in RESULTS.values() for o in outs)
     print(f"\nfuzz: {len(RESULTS)} programs, {sum(counts.values())} cases: {dict(Counter(o for v in RESULTS.values() for o in v))}")
+    writes = Counter(o for outs in RESULTS.values() for o in outs if o.endswith(": write"))
     assert sum(counts.values()) >= 300, counts
     assert counts["exact"] >= 50 and counts["refused"] >= 100 and counts["warned"] >= 1, counts
+    # planned programs with an in-place write, each exact or refused (LayoutError)
+    assert sum(writes.values()) >= 200 * N_PROGRAMS // 60, writes

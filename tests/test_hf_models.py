@@ -271,3 +271,17 @@ def test_vocab_parallel_cross_entropy_on_hugging_face_models(built, name):
     others = [c for c in forward(plan, "all_gather") if c.op != "vocab_parallel_cross_entropy"]
     assert all("embed" in c.where or "wte" in c.where for c in others), [(c.where, c.why) for c in others]
     assert_exact(plan, kwargs, loss, logits, grads)
+
+
+def test_t5_shifting_its_labels_with_the_decoder_sequence_split(built):
+    """T5 builds its decoder inputs from ``labels`` by slice and index writes (``_shift_right``);
+    with the decoder sequence split those writes land on the ranks owning the positions, and
+    loss, logits and every gradient equal the unsharded model's (before writes were made
+    functional at capture, the loss came out 5.169 against 4.904)."""
+    model, kwargs, loss, logits, grads = built("t5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", autoshard.UnsupportedOpWarning)
+        plan = autoshard.autoshard(model, (), kwargs, mesh=Mesh({"dp": 2, "tp": 2}),
+                                   dims={**ARCHS["t5"].all_dims, "labels": "batch tseq"},
+                                   layout={"batch": "dp", "tseq": "tp"})
+    assert_exact(plan, kwargs, loss, logits, grads)

@@ -128,7 +128,8 @@ def index_put(seed):
         v = x * m.w
         base = torch.zeros(rows, h).index_put_((i,), v, accumulate=True)
         return (base * base).sum(), base
-    return aten.index_put_.default, OpModule(f, w=torch.randn(n, h)), (torch.randn(n, h), idx)
+    # written in place; made functional at capture (passes/functionalize.py)
+    return aten.index_put.default, OpModule(f, w=torch.randn(n, h)), (torch.randn(n, h), idx)
 
 
 def in_place(kind):
@@ -143,8 +144,41 @@ def in_place(kind):
             else:
                 y += x
             return (y * y).sum(), y
-        op = aten.div_.Tensor if kind == "div_" else aten.add_.Tensor
+        op = aten.div.Tensor if kind == "div_" else aten.add.Tensor  # made functional at capture
         return op, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+    return make
+
+
+def scatter(kind):
+    """x.scatter_(d, index, src) / scatter_(d, index, value) / scatter_add_ / index_add_ on a
+    value computed from a parameter; the index has fewer positions along d than x."""
+    def make(seed):
+        r = random.Random(seed)
+        shape = sizes(r, 3, (4, 6))
+        d = r.randrange(3)
+        ishape = list(shape)
+        ishape[d] = 2
+        g = torch.Generator().manual_seed(seed)
+        index = torch.randint(0, shape[d], ishape, generator=g)
+        if kind == "scatter":  # overwriting: distinct positions per slice (no last-write race)
+            index = torch.rand(shape, generator=g).argsort(dim=d).narrow(d, 0, 2)
+        rows = torch.randint(0, shape[d], (4,), generator=g)
+
+        def f(m, x, idx, rows):
+            y = x * m.w
+            src = torch.tanh(y).narrow(d, 0, 2 if kind != "index_add" else 4) * 2
+            if kind == "scatter":
+                y = y.clone().scatter_(d, idx, src)
+            elif kind == "scatter_value":
+                y = y.clone().scatter_(d, idx, -1.5)
+            elif kind == "scatter_add":
+                y = y.clone().scatter_add_(d, idx, src)
+            else:
+                y = y.clone().index_add_(d, rows, src, alpha=0.5)
+            return (y * y).sum(), y
+        op = {"scatter": aten.scatter.src, "scatter_value": aten.scatter.value, "scatter_add": aten.scatter_add.default,
+              "index_add": aten.index_add.default}[kind]
+        return op, OpModule(f, w=torch.randn(shape)), (torch.randn(shape), index, rows)
     return make
 
 
@@ -187,7 +221,8 @@ CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
     "histc": histc, "chunk": chunk, "index_put_": index_put, "div_": in_place("div_"), "add_": in_place("add_"),
-    "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
+    "scatter": scatter("scatter"), "scatter.value": scatter("scatter_value"), "scatter_add": scatter("scatter_add"),
+    "index_add": scatter("index_add"), "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
 }
 
 

@@ -106,15 +106,18 @@ def test_send_recv_are_an_adjoint_pair():
 
 def test_stage_writing_a_received_value_in_place_writes_a_copy():
     """The runtime passes received values into a stage as autograd leaves, which an in-place op
-    may not overwrite: a stage that writes into one (here ``add_`` at the cut) clones it first,
-    and only then."""
+    may not overwrite: a stage that writes into one (here through ``detach()`` at the cut, a
+    write capture leaves in place) clones it first, and only then; an ``add_`` is made
+    functional at capture (``passes/functionalize.py``) and writes nothing."""
     class Block(torch.nn.Module):
         def __init__(self, inplace):
             super().__init__()
             self.lin, self.inplace = torch.nn.Linear(8, 8), inplace
 
         def forward(self, x):
-            if self.inplace:
+            if self.inplace == "detach":
+                x.detach().add_(1.0)
+            elif self.inplace == "add_":
                 x.add_(1.0)
             return torch.tanh(self.lin(x)) * 0.5
 
@@ -130,13 +133,13 @@ def test_stage_writing_a_received_value_in_place_writes_a_copy():
             return x.sum()
 
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
-    for inplace in (True, False):
+    for inplace in ("detach", "add_", None):
         plan = autoshard.autoshard(Net(inplace), (x,), mesh=Mesh({"pp": 2}), dims={"x": ("batch", None)},
                                    layout={"batch": None}, train=True,
                                    pipeline={"microbatches": 2, "schedule": "1f1b", "cuts": ["layers.1"]})
         received = next(n for n in plan.pipe.stages[1].forward.graph.nodes if n.name.startswith("recv_"))
         copies = [u for u in received.users if u.target is torch.ops.aten.clone.default]
-        assert len(copies) == inplace
+        assert len(copies) == (inplace == "detach")
         losses, _ = plan.simulate_train([(x,)] * 2, optimizer=SGD)  # raised "a leaf Variable ... in-place" before
         assert all(torch.isfinite(torch.tensor(losses)))
 
