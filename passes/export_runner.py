@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import tempfile
+import threading
 import importlib.util
 import json
 import math
@@ -789,6 +791,8 @@ def run(root: Path, args) -> int:
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
         rc = EXIT_NONFINITE
+    except Stopped as e:  # SIGTERM / SIGINT agreed at a step's end; the checkpoint is saved
+        rc = 128 + e.signum
     except Exception as e:  # noqa: BLE001 - a peer that stopped answering: one line, not a hang
         if _report_lost_peer(e, store, rank, mesh.size, args.timeout):
             # peers are stopped or gone: tearing the group down could block or abort
@@ -926,6 +930,73 @@ def add_training_args(p) -> None:
                                     "weights, optimizer, schedule and data position")
     g.add_argument("--metrics", help="rank 0 writes one JSON line per step here (step, loss, lr, grad_norm, "
                                      "tokens_per_s, seconds)")
+    g.add_argument("--term-timeout", type=float, default=20.0,
+                   help="with --ckpt: on SIGTERM/SIGINT, every process finishes its step, saves a checkpoint and "
+                        "exits 143/130 within this many seconds (keep it below the launcher's grace period before "
+                        "SIGKILL: torchrun's is 30 s)")
+
+
+class Stopped(Exception):
+    """Every rank received SIGTERM or SIGINT (one of them did, and they agreed at a step's end):
+    the job saved its checkpoint and ends with exit code 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Preemption:
+    """SIGTERM / SIGINT during a training loop with ``--ckpt``: the handler only notes the signal
+    (and arms a timer that ends the process after ``--term-timeout`` seconds, whatever it is
+    doing); at the end of each step the ranks agree whether any of them was signalled, and if so
+    all save a checkpoint of that step and stop (:class:`Stopped`). Installed in the main thread
+    only (simulated ranks are threads: they never see a signal).
+
+    Example::
+
+        with Preemption(timeout=20) as pre:
+            for step in ...:
+                ...
+                if pre.agreed(rp):       # every rank, each step
+                    save(); raise Stopped(pre.signum)
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, timeout: float):
+        self.timeout, self.signum, self.old, self.timer = timeout, None, {}, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.old[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        # once signalled the deadline stays: leaving the process group must end within it too
+        return False
+
+    def _note(self, signum, frame):
+        if self.signum is None:
+            self.signum = signum
+            self.timer = threading.Timer(self.timeout, lambda: os._exit(128 + signum))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def agreed(self, rp) -> bool:
+        """Whether any rank was signalled (the same answer on every rank; a collective); the
+        signal of the job is then SIGTERM if any rank got it, else SIGINT."""
+        if not self.old:
+            return False
+        term, intr = agreed(rp, [self.signum == signal.SIGTERM, self.signum == signal.SIGINT])
+        if term or intr:
+            self.signum = signal.SIGTERM if term else signal.SIGINT
+            if self.timer is None:  # a peer was signalled first: this rank's deadline starts now
+                self._note(self.signum, None)
+            return True
+        return False
 
 
 def uses_training_loop(args) -> bool:
@@ -1189,7 +1260,10 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
     res = dict(ok=True, losses=[], grad_norms=[], lrs=[], skipped=[], worst_out=0.0, worst_grad=0.0, problems=[])
     sync = torch.cuda.synchronize if rp.device.type == "cuda" else (lambda: None)
     t_start = time.perf_counter()
+    preemption = Preemption(args.term_timeout) if args.ckpt else None
     try:
+        if preemption is not None:
+            preemption.__enter__()
         for step in range(start + 1, end + 1):
             t0 = time.perf_counter()
             if data:
@@ -1223,7 +1297,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
                 metrics.write(json.dumps({"step": step, "loss": value, "lr": lr, "grad_norm": norm,
                                           "tokens_per_s": tokens / dt if tokens else None, "seconds": dt}) + "\n")
                 metrics.flush()
-            if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end):
+            stop = preemption is not None and preemption.agreed(rp)
+            if args.ckpt and ((args.save_every and step % args.save_every == 0) or step == end or stop):
                 path = Path(args.ckpt) / f"step-{step:06d}"
                 if args.nan_policy != "ignore":
                     check_finite_state(rp, step, path)
@@ -1231,9 +1306,15 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
                           extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict(),
                                  "optimizer": args.optimizer, "data": data_id})
                 say(f"saved checkpoint {path}")
+            if stop:
+                say(f"stopping on {signal.Signals(preemption.signum).name} after step {step}: its checkpoint is "
+                    f"saved; --resume {args.ckpt} continues")
+                raise Stopped(preemption.signum)
     finally:
         if metrics:
             metrics.close()
+        if preemption is not None:
+            preemption.__exit__(None, None, None)
     took = time.perf_counter() - t_start
     if res["losses"]:
         say(f"done: {args.steps} step{'s' if args.steps != 1 else ''} in {took:.1f} s"

@@ -136,3 +136,56 @@ def test_torchrun_a_nan_loss_exits_4_on_every_process_and_skip_step_trains_on(tm
     steps = [l for l in out.splitlines() if l.startswith("step ")]
     assert len(steps) == 2 and all(l.endswith("skipped: loss nan and gradient norm nan, not finite "
                                               "(--nan-policy skip-step: no optimizer step)") for l in steps), out
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signalled_job_saves_its_step_and_resumes_bit_for_bit(tmp_path, sig):
+    """SIGTERM (what a scheduler sends before SIGKILL) or SIGINT to the whole job: every process
+    finishes its step, the job saves that step's checkpoint and each process exits 128 + the
+    signal; resuming from it gives the losses of an uninterrupted run, bit for bit."""
+    import signal
+
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"},
+                               train=True, zero_stage=3)
+    path = plan.export(tmp_path / "out")
+    tokens = torch.randint(0, 64, (700,), generator=torch.Generator().manual_seed(3))
+    tokens.numpy().astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    ck, opts = tmp_path / "ck", ["--data", str(tmp_path / "tokens.bin"), "--lr", "1e-2", "--total-steps", "1000"]
+    import socket
+
+    with socket.socket() as s:  # the processes as torchrun starts them, so the test sees each one's exit code
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(path / "run.py"), "--steps", "1000", "--ckpt", str(ck), "--metrics",
+           str(tmp_path / "a.jsonl"), *opts]
+    ranks = [subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
+                                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=r == 0, preexec_fn=None if r == 0 else None)
+             for r in range(2)]
+    try:
+        for line in ranks[0].stdout:
+            if line.startswith("step 4/"):
+                for p in ranks:  # every process of the job, as a scheduler signals it
+                    p.send_signal(getattr(signal, sig))
+                break
+        (out, err), (_, err1) = ranks[0].communicate(timeout=60), ranks[1].communicate(timeout=60)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    stop = [l for l in out.splitlines() if l.startswith(f"stopping on {sig} after step ")]
+    assert len(stop) == 1, out[-2000:] + err[-3000:]
+    k = int(stop[0].split("after step ")[1].split(":")[0])
+    assert [p.returncode for p in ranks] == [128 + getattr(signal, sig)] * 2, (err[-2000:], err1[-2000:])
+    assert "Traceback" not in err + err1, err[-2000:] + err1[-2000:]
+    saved = autoshard.runtime.checkpoint.resolve(ck)
+    assert saved.name == f"step-{k:06d}" and not list(ck.glob(".step-*"))
+    first = [json.loads(l)["loss"] for l in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert len(first) == k
+    torchrun(path, "--resume", str(ck), "--steps", "3", "--metrics", str(tmp_path / "b.jsonl"), *opts)
+    torchrun(path, "--steps", str(k + 3), "--metrics", str(tmp_path / "c.jsonl"), *opts)
+    read = lambda name: [json.loads(l)["loss"] for l in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    assert first + read("b.jsonl") == read("c.jsonl")  # bit for bit
