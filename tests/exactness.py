@@ -113,23 +113,27 @@ def within_spread(actual, ref32, ref64, what: str) -> float:
     return r
 
 
-def reference_train64(model, steps, make_opt, microbatches=1):
-    """``reference_train`` of a float64 copy of ``model`` on float64 inputs (the same optimizer)."""
-    return reference_train(copy.deepcopy(model).double(), to_float64(steps), make_opt, microbatches=microbatches)
+def reference_train64(model, steps, make_opt, microbatches=1, as_float64=None):
+    """``reference_train`` of a float64 copy of ``model`` on float64 inputs (the same optimizer);
+    ``as_float64(model)`` makes the copy where ``.double()`` alone does not run (a kernel without
+    float64 support, swapped for one computing the same sums)."""
+    m = as_float64(model) if as_float64 else copy.deepcopy(model).double()
+    return reference_train(m, to_float64(steps), make_opt, microbatches=microbatches)
 
 
-def assert_training_within_spread(losses, params, model, steps, make_opt, microbatches=1, reference32=None) -> dict:
+def assert_training_within_spread(losses, params, model, steps, make_opt, microbatches=1, reference32=None,
+                                  as_float64=None) -> dict:
     """Per-step losses and final parameters of a plan's training (``simulate_train`` or a rank
     loop) against single-device training of ``model``: each within the float32 spread bound of
     ``within_spread`` (losses as one tensor over the steps, parameters per tensor). Pass
-    ``reference32`` when the caller already ran ``reference_train``. Returns the worst ratio to the
-    bound, by name. Usage::
+    ``reference32`` when the caller already ran ``reference_train``, ``as_float64`` as for
+    ``reference_train64``. Returns the worst ratio to the bound, by name. Usage::
 
         losses, params = plan.simulate_train(steps, optimizer=adamw)
         assert_training_within_spread(losses, params, model, steps, adamw)
     """
     ref_losses, ref_params = reference32 or reference_train(model, steps, make_opt, microbatches=microbatches)
-    losses64, params64 = reference_train64(model, steps, make_opt, microbatches=microbatches)
+    losses64, params64 = reference_train64(model, steps, make_opt, microbatches=microbatches, as_float64=as_float64)
     ratios = {"losses": within_spread(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses),
                                       torch.tensor(losses64), "losses")}
     assert set(ref_params) <= set(params), sorted(set(ref_params) - set(params))  # tied: listed under both names
