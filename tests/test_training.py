@@ -16,7 +16,7 @@ from autoshard.runtime import run_simulated
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
+from exactness import SPREAD_FACTOR, assert_training_within_spread, reference_train  # noqa: E402
 
 LEVELS = [(0, None), (1, None), (2, None), (3, True), (3, False)]
 LEVEL_IDS = ["ddp", "zero1", "zero2", "zero3-reshard", "zero3-keep"]
@@ -86,6 +86,23 @@ def test_adamw_training_matches_single_device(mesh, layout, stage, reshard):
     # into a visible one of the update. The bound is the float32 spread of single-device training
     # itself (float32 against float64, per parameter tensor; tests/exactness.py says how).
     assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
+
+
+def test_the_spread_bound_accepts_float32_rounding_and_refuses_a_lost_gradient_sum():
+    """The bound of the tests above: single-device float32 training itself is at most one spread
+    from float64 (1 / SPREAD_FACTOR of the bound); what a data-parallel rank trains without the
+    gradient sum (its half of the batch) is far outside it, in losses and parameters."""
+    model, args, dims = llama_tiny(with_labels=True)
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)  # noqa: E731
+    steps = [args] * 3
+    ratios = assert_training_within_spread(*reference_train(model, steps, make_opt), model, steps, make_opt)
+    assert max(ratios.values()) <= 1 / SPREAD_FACTOR + 1e-12, ratios
+    half = tuple(a[:a.shape[0] // 2] if isinstance(a, torch.Tensor) else a for a in args)
+    lost_losses, lost_params = reference_train(model, [half] * 3, make_opt)
+    with pytest.raises(AssertionError, match="^losses: .* beyond the float32 spread bound"):
+        assert_training_within_spread(lost_losses, lost_params, model, steps, make_opt)
+    with pytest.raises(AssertionError, match="beyond the float32 spread bound"):
+        assert_training_within_spread(reference_train(model, steps, make_opt)[0], lost_params, model, steps, make_opt)
 
 
 @pytest.mark.parametrize("stage,reshard", LEVELS, ids=LEVEL_IDS)
