@@ -51,6 +51,7 @@ from autoshard.mesh import Mesh
 from autoshard.ownership import describe, local_shape, slice_dim_for
 from autoshard.runtime import collectives as C
 from autoshard.runtime import run_simulated
+from autoshard.runtime.local import LOW_PRECISION
 from autoshard.runtime.overlap_linear import varying_linears
 
 from . import export_runner
@@ -437,14 +438,19 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
 
 def make_reference(plan, args, kwargs, *, steps: int = 2, lr: float = 1e-3) -> dict:
     """Outputs and gradients of the unsharded model (a copy of it) on ``args``, and its losses
-    over ``steps`` AdamW steps on that batch and its trainable parameters after them. The loss is the output run.py seeds backward with
-    (``plan.loss_index()``), summed if it is not a scalar."""
+    over ``steps`` AdamW steps on that batch and its trainable parameters after them. The loss is
+    the output run.py seeds backward with (``plan.loss_index()``), summed if it is not a scalar.
+    16-bit parameters step as run.py steps them (``ShardedOptimizer``): AdamW on a float32 master
+    copy, written back rounded. (torch's AdamW on the 16-bit tensors themselves is another
+    algorithm: in float16 its eps of 1e-8 rounds to 0, and an element whose squared gradient
+    underflows divides 0 by 0.)"""
     model = copy.deepcopy(plan.model)
     model.zero_grad(set_to_none=True)
     params = dict(model.named_parameters(remove_duplicate=False))
     trainable = [i.target for i in plan.captured.inputs if i.kind == "parameter" and i.trainable]
     k = plan.loss_index()
-    opt = torch.optim.AdamW([params[t] for t in trainable], lr=lr)
+    masters = {t: torch.nn.Parameter(params[t].detach().float()) for t in trainable if params[t].dtype in LOW_PRECISION}
+    opt = torch.optim.AdamW([masters.get(t, params[t]) for t in trainable], lr=lr)
     outputs, grads, losses = None, None, []
     for step in range(max(steps, 1)):
         flat = pytree.tree_leaves(model(*args, **(kwargs or {})))
@@ -456,8 +462,14 @@ def make_reference(plan, args, kwargs, *, steps: int = 2, lr: float = 1e-3) -> d
             grads = {t: (params[t].grad.detach().clone() if params[t].grad is not None
                          else torch.zeros_like(params[t])) for t in trainable}
         if steps:
+            for t, m in masters.items():
+                m.grad = None if params[t].grad is None else params[t].grad.float()
             opt.step()
+            with torch.no_grad():
+                for t, m in masters.items():
+                    params[t].copy_(m)
         opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
     trained = {t: params[t].detach().clone() for t in trainable} if steps else None  # after every step
     return {"outputs": outputs, "grads": grads, "losses": losses[:steps], "params": trained, "optimizer": "adamw",
             "lr": lr}

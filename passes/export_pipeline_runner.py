@@ -189,6 +189,7 @@ def compare_outputs(pp: PipelineProgram, ref: dict, rtol: float, atol: float, R)
     spec, doc, mesh = pp.spec, pp.doc, pp.mesh
     m_count, outs = spec.microbatches, pp.pipe.outputs
     ok, worst, problems = True, 0.0, []
+    tol = R.check_tolerance(doc, rtol, atol)
     for k, (meta, want) in enumerate(zip(doc["outputs"], ref["outputs"])):
         per_mb = [outs[m][k] for m in range(m_count)]
         if not isinstance(per_mb[0], torch.Tensor):
@@ -208,12 +209,11 @@ def compare_outputs(pp: PipelineProgram, ref: dict, rtol: float, atol: float, R)
         for m, (o, w) in enumerate(pairs):
             piece = local_piece(w, meta["_place"], mesh, pp.rank)
             o = o.detach().cpu()
-            d = R._max_diff(o, piece) if o.shape == piece.shape else float("inf")
+            good, d, why = R.compare(o, piece, tol)
             worst = max(worst, d)
-            if not R._close(o, piece, rtol, atol):
+            if not good:
                 ok = False
-                problems.append(f"output {k}" + (f" of microbatch {m}" if len(pairs) > 1 else "")
-                                + f": max abs diff {d:.3g}")
+                problems.append(f"output {k}" + (f" of microbatch {m}" if len(pairs) > 1 else "") + f": {why}")
     return ok, worst, problems
 
 
@@ -221,6 +221,7 @@ def compare_params(pp: PipelineProgram, ref: dict, rtol: float, atol: float, R):
     """(ok, max abs diff, problems) for this rank's parameters as stored after the steps against
     its blocks of the unsharded model's parameters after the same steps."""
     ok, worst, problems = True, 0.0, []
+    tol = R.check_tolerance(pp.doc, rtol, atol)
     places = {m["target"]: m["_place"] for m in pp.doc["inputs"]
               if m["kind"] == "parameter" and "_place" in m and m.get("role", "input") == "input"}
     for fqn, p in pp.params.items():
@@ -229,11 +230,11 @@ def compare_params(pp: PipelineProgram, ref: dict, rtol: float, atol: float, R):
             continue
         got = p.detach().cpu()
         piece = local_piece(want, places[fqn], pp.mesh, pp.rank)
-        d = R._max_diff(got, piece) if got.shape == piece.shape else float("inf")
+        good, d, why = R.compare(got, piece, tol)
         worst = max(worst, d)
-        if not R._close(got, piece, rtol, atol):
+        if not good:
             ok = False
-            problems.append(f"parameter {fqn} after the steps: max abs diff {d:.3g}")
+            problems.append(f"parameter {fqn} after the steps: {why}")
     return ok, worst, problems
 
 

@@ -8,6 +8,7 @@ clear message.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -380,3 +381,94 @@ def test_torchrun_check_of_an_export_without_args(tmp_path):
     proc, _ = torchrun(path, 4, "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check passed: outputs equal the unsharded model's on all 4 ranks" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# --check of 16-bit models
+# ------------------------------------------------------------------------------------------------
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _doc(dtype, world=4):
+    """The parts of a read plan.json that --check's tolerance and summary read."""
+    return {"inputs": [{"kind": "parameter", "_dtype": dtype}], "world_size": world,
+            "reference": {"optimizer": "adamw", "lr": 1e-3}}
+
+
+def test_check_compare_fails_on_nan_on_either_side_and_names_it():
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    nan = x.clone()
+    nan[3, 4] = float("nan")
+    for dtype in (torch.float32, *HALF):
+        tol = R.check_tolerance(_doc(dtype), 1e-4, 1e-5)
+        assert R.compare(x.to(dtype), x.to(dtype), tol)[0]
+        ok, diff, why = R.compare(nan.to(dtype), x.to(dtype), tol)
+        assert not ok and diff == float("inf") and why.startswith("non-finite in this run (1 of 64"), why
+        ok, diff, why = R.compare(x.to(dtype), nan.to(dtype), tol)
+        assert not ok and diff == float("inf") and why.startswith("non-finite in the unsharded reference"), why
+    # the worst difference over tensors keeps the NaN (Python's max() drops it: max(0.0, nan) == 0.0)
+    assert max(0.0, R._max_diff(nan, x)) == float("inf")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_check_tolerance_of_16bit_programs_follows_the_dtype(dtype):
+    """A 16-bit value rounded once more per rank (what another summation order does) passes; a
+    lost share of a sum (a wrong layout: half of a data-parallel gradient) fails; float32
+    programs keep --rtol/--atol."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    tol = R.check_tolerance(_doc(dtype), 1e-4, 1e-5)
+    assert tol["dtype"] is dtype and str(dtype).split(".")[1] in tol["text"]
+    eps = torch.finfo(dtype).eps
+    rounded = x
+    for _ in range(4):  # one more rounding per rank of a 4-rank mesh, in the worst direction
+        rounded = (rounded.float() * (1 + eps)).to(dtype)
+    assert R.compare(rounded, x, tol)[0]
+    assert not R.compare(x * 0.5, x, tol)[0]
+    f32 = R.check_tolerance(_doc(torch.float32), 1e-4, 1e-5)
+    assert (f32["rtol"], f32["atol"]) == (1e-4, 1e-5) and not R.compare(rounded.float(), x.float(), f32)[0]
+
+
+@pytest.mark.parametrize("side", ["reference", "run"])
+def test_check_summary_names_the_side_and_step_of_a_nan_loss(side):
+    args = R._parser().parse_args(["--check", "--steps", "2"])
+    good, bad = [4.4, 4.2], [4.4, float("nan")]
+    ref, run = ({"losses": bad}, good) if side == "reference" else ({"losses": good}, bad)
+    ok, line = R.summarize_check(_doc(torch.float16), ref, args, True, [0.0, 0.0], run, 4)
+    want = "the unsharded reference's loss of step 2 is nan" if side == "reference" else "this run's loss of step 2 is nan"
+    assert not ok and "\n" not in line and line.startswith("CHECK FAILED: " + want), line
+    ok, line = R.summarize_check(_doc(torch.float16), {"losses": good}, args, False, [float("inf"), 0.0], good, 4)
+    assert not ok and "non-finite" in line, line
+
+
+def _half_export(tmp_path, dtype):
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model.to(dtype), args, mesh=autoshard.Mesh(DP_TP["mesh"]), dims=dims,
+                               layout=DP_TP["layout"], train=True)
+    return plan.export(tmp_path / str(dtype).split(".")[1], args)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_16bit_export_checks_against_a_reference_stepped_like_the_run(tmp_path, dtype):
+    """The reference steps 16-bit parameters as run.py does (AdamW on float32 masters; torch's
+    AdamW on float16 tensors went NaN at step 2), and two steps on the simulated mesh pass
+    --check at the dtype's tolerance (bf16 gradients sit ~4 eps of the tensor's scale apart)."""
+    path = _half_export(tmp_path, dtype)
+    ref = torch.load(path / "reference.pt", weights_only=True)
+    assert len(ref["losses"]) == 2 and all(math.isfinite(v) for v in ref["losses"]), ref["losses"]
+    per_rank = simulate_export(path, steps=2, check=True)
+    assert all(r["ok"] for r in per_rank), [r["problems"] for r in per_rank]
+    args = R._parser().parse_args(["--check", "--steps", "2"])
+    worst = [max(r["worst_out"] for r in per_rank), max(r["worst_grad"] for r in per_rank)]
+    ok, line = R.summarize_check(R.read_plan(path), ref, args, True, worst, per_rank[0]["losses"], 4)
+    assert ok and "losses of 2 adamw steps match" in line and f"{str(dtype).split('.')[1]} tolerance" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_torchrun_check_of_a_16bit_model(tmp_path, dtype):
+    path = _half_export(tmp_path, dtype)
+    proc, _ = torchrun(path, 4, "--check", "--steps", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("check passed") == 1 and "losses of 2 adamw steps match" in proc.stdout, proc.stdout
+    assert f"{str(dtype).split('.')[1]} tolerance" in proc.stdout, proc.stdout

@@ -33,7 +33,7 @@ import autoshard  # noqa: E402
 from autoshard.passes.export import simulate_export, simulate_run, torchrun_command  # noqa: E402
 from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
 from autoshard.runtime.schedules import Action, check_schedule, dependencies, make_schedule, stage_rank  # noqa: E402
-from exactness import reference_train  # noqa: E402
+from exactness import assert_training_within_spread  # noqa: E402
 from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
 from test_train_loop import expected_lr  # noqa: E402
 
@@ -261,19 +261,17 @@ def test_tied_embeddings_export(tmp_path):
 def test_data_steps_train_like_the_plan_and_single_device(zb, tmp_path):
     """run.py --data on the pipelined export: 4 steps over consecutive batches of the token
     file (the 4th wraps to the start) give the plan's simulate_train losses on the same batches
-    bit for bit, and single-device training's losses and final parameters (fp32, rtol 1e-5 /
-    atol 1e-6; the parameters read back from the checkpoint written at the end)."""
+    bit for bit, and single-device training's losses and final parameters (the parameters read
+    back from the checkpoint written at the end) within that training's own float32 spread
+    (float32 against float64, per parameter tensor: tests/exactness.py)."""
     plan, args, model, path = zb
     data, batches = token_file(tmp_path, args, 3)
     res = simulate_run(path, "--steps", "4", "--data", str(data), "--ckpt", str(tmp_path / "ck"))
     losses, _ = plan.simulate_train(batches(4), optimizer=ADAMW)
     assert all(r["losses"] == losses for r in res)
-    ref_losses, ref_params = reference_train(model, batches(4), ADAMW)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     params = autoshard.consolidate(tmp_path / "ck" / "step-000004")
-    assert set(params) == set(ref_params)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    ratios = assert_training_within_spread(losses, params, model, batches(4), ADAMW)
+    assert set(params) == set(ratios) - {"losses"}
     assert res[0]["lines"][0].startswith("step 1/4  loss ") and "tokens/s" in res[0]["lines"][0]
 
 

@@ -18,7 +18,7 @@ from autoshard.runtime.units import pack_grads, pack_shards, unpack_full, unpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
-from exactness import reference_train, train_steps  # noqa: E402
+from exactness import assert_training_within_spread, train_steps  # noqa: E402
 
 
 class NoCalls(Backend):
@@ -43,10 +43,9 @@ def test_mesh_of_one_calls_no_backend_and_trains_exactly(stage):
         losses = train_steps(local, opt, [args] * 3)
         assert ctx.trace  # still recorded, as on any mesh
     params = {local.fqn_of[n]: p.detach() for n, p in local.named_parameters()}
-    ref_losses, ref_params = reference_train(model, [args] * 3, make_opt)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for name, p in params.items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=3e-6, msg=lambda m: f"{name}: {m}")
+    # Adam amplifies rounding in tiny gradients: within single-device training's own float32
+    # spread (float32 against float64, per parameter tensor; tests/exactness.py)
+    assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 
 
 def test_pack_grads_layout_matches_blocks():

@@ -28,7 +28,7 @@ from autoshard.runtime.context import current  # noqa: E402
 from autoshard.runtime.launch import spawn  # noqa: E402
 from autoshard.runtime.simulated import SimulatedBackend  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
-from exactness import reference_train  # noqa: E402
+from exactness import assert_training_within_spread  # noqa: E402
 
 SP = {"heads": "tp", "ffn": "tp", "seq": "tp?"}
 BF16 = {"param": torch.bfloat16, "reduce": torch.float32}
@@ -222,11 +222,11 @@ def test_plan_training_equals_synchronous_sums_bitwise(name, monkeypatch):
         assert torch.equal(params[fqn], ref_params[fqn]), fqn
     if name == "tp2-bf16":
         return
-    # and the single-device model, to fp32 rounding (Adam's bound as in test_training.py)
-    one_losses, one_params = reference_train(model, steps, make_opt, microbatches=2)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_losses), rtol=1e-5, atol=1e-6)
-    for fqn, p in one_params.items():
-        torch.testing.assert_close(params[fqn], p, rtol=1e-5, atol=3e-6, msg=lambda m: f"{fqn}: {m}")
+    # Bit for bit above: the same plan with its sums synchronous (same kernels, same order, on
+    # any CPU). The single-device model sums in another order (BLAS kernels differ by CPU), and
+    # Adam amplifies rounding in tiny gradients: within single-device training's own float32
+    # spread (float32 against float64, per parameter tensor; tests/exactness.py).
+    assert_training_within_spread(losses, params, model, steps, make_opt, microbatches=2)
 
 
 # ---- two gloo processes -----------------------------------------------------------------------

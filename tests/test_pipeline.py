@@ -20,7 +20,7 @@ from autoshard.runtime.schedules import Action, B, F, W, check_schedule, make_sc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
-from exactness import reference_train  # noqa: E402
+from exactness import assert_training_within_spread  # noqa: E402
 
 SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
 
@@ -239,14 +239,11 @@ def pipeline_plan(model, args, dims, mesh, schedule, m, zero=None, **pipeline):
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)  # noqa: E731
 
 
-def assert_trains_like(plan, model, args, make_opt, param_atol=1e-6):
-    """3 steps on the simulated mesh equal 3 single-device steps on the whole batch."""
+def assert_trains_like(plan, model, args, make_opt):
+    """3 steps on the simulated mesh equal 3 single-device steps on the whole batch, within the
+    float32 spread of single-device training (float32 against float64: tests/exactness.py)."""
     losses, params = plan.simulate_train([args] * 3, optimizer=make_opt)
-    ref_losses, ref_params = reference_train(model, [args] * 3, make_opt)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert set(ref_params) <= set(params)  # tied weights are listed under both names
-    for name, p in ref_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=param_atol, msg=lambda s: f"{name}: {s}")
+    assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 
 # (mesh, schedule, microbatches, zero stage): every schedule, composition, M=4 and M=8.
 CASES = [
@@ -272,9 +269,9 @@ def test_adamw_zero_bubble_with_zero3_is_within_the_fp32_bound():
     plan = pipeline_plan(model, args, dims, "pp2xdp2", "zero_bubble", 8, 3)
     lr = 1e-3
     adamw = lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1)  # noqa: E731
-    # As in test_training: Adam divides by sqrt(v) + eps, so an element whose gradient is a few
-    # eps moves by up to ~1e-3 * lr per step for a rounding-level gradient difference.
-    assert_trains_like(plan, model, args, adamw, param_atol=3 * lr * 1e-3)
+    # Adam divides by sqrt(v) + eps: an element whose gradient is a few eps moves by a fraction
+    # of lr for a rounding-level gradient difference, which the float32 spread bound includes
+    assert_trains_like(plan, model, args, adamw)
 
 
 def test_tied_embeddings_on_first_and_last_stage():

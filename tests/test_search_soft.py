@@ -152,7 +152,7 @@ def test_unannotated_gpt2_search_shards_attention_and_mlp():
     all-gather of the fused q|k|v before its split (README, known limits: no strided sharding)."""
     import torch
     from examples.models import gpt2_tiny
-    from tests.exactness import reference
+    from tests.exactness import assert_grads_within_spread
     model, args, _ = gpt2_tiny(with_labels=True, batch=2, seq=128, hidden_size=1024, intermediate_size=4096,
                                num_heads=16, max_seq_len=128)
     plan = autoshard.autoshard(copy.deepcopy(model), args, mesh=Mesh({"tp": 4}), dims=INPUTS_ONLY,
@@ -161,14 +161,11 @@ def test_unannotated_gpt2_search_shards_attention_and_mlp():
     assert lay["attn.c_proj.in"] == lay["mlp.c_fc.out"] == lay["attn.c_attn.out"] == ("tp",), lay
     assert _forward_per_block(plan) == {b: {"all_reduce": 2, "all_gather": 1} for b in range(2)}
     assert "attn.c_proj.in" in str(plan) and "mlp.c_fc.out" in plan.explain()
-    ref_out, ref_grads = reference(model, args)
     out, grads = plan.simulate_grads(*args)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
-    for name, g in ref_grads.items():
-        # Row-parallel contractions (4096 ffn, 1024 heads) are summed as 4 partial sums by the
-        # all-reduce, the reference sums them in one BLAS call: gradients ~1e-3 differ by up to
-        # ~2e-6 (measured 1.7e-6 on the tied wte), so atol 4e-6 here.
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=4e-6, msg=lambda m: f"{name}: {m}")
+    # Row-parallel contractions (4096 ffn, 1024 heads) are summed as 4 partial sums by the
+    # all-reduce, the reference sums them in one BLAS call: within the float32 spread of the
+    # unsharded model's own gradients (float32 against float64, per tensor: tests/exactness.py)
+    assert_grads_within_spread(out, grads, model, args)
 
 
 def test_soft_options_in_the_default_space():
