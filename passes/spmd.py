@@ -89,6 +89,10 @@ class Layout:
     # on the first (its query rows); under zigzag, a block of that dim holds chunks i and 2R-1-i,
     # so gathers and slices of it reorder (runtime.ring_attention.zigzag_permute).
     orders: dict = field(default_factory=dict)
+    # Mixtures of experts (passes/experts.py): axis -> units of experts dims that only the MoE
+    # regions' own parameters are split along (their placements are fixed by that pass); every
+    # other value keeps such a dim whole on the axis (the router scores every expert per token).
+    regional: dict = field(default_factory=dict)
 
 
 def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
@@ -252,8 +256,9 @@ class _Rewriter:
         memo = self.unit_memo
         if key in memo:  # asked for every dim of every value, per axis: memoized by its leaves
             return memo[key]
+        regional = () if soft else self.layout.regional.get(axis, ())
         memo[key] = next((u for u in (self.layout.soft.get(axis, ()) if soft else self.layout.units[axis])
-                          if lv[: len(u)] == u), None)
+                          if lv[: len(u)] == u and u not in regional), None)
         return memo[key]
 
     def desired(self, node: fx.Node, out: int = 0) -> tuple:
