@@ -583,6 +583,7 @@ class RegionPlan:
     local_experts: int
     row_bytes: int  # bytes of one token row
     tags: dict = field(default_factory=dict)  # "route" | "dispatch" | "combine" | "capacity" -> tag
+    # ("tokens": the tags of the gathers of the layer's output where only the layer split its tokens)
 
 
 def lowerings(regions, plans: list) -> dict:
@@ -700,6 +701,19 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
         out = call(X.combine_dense, back, pairs, weights, init, val=out_val)
     rw.local[r.output] = out
     rw.place[r.output] = [tok]
+    sliced = [a for a, o in zip(axes, hidden_place) if a in token_axes and not (isinstance(o, Shard) and o.dim == 0)]
+    if sliced:
+        # The batch is whole on these axes (ep on its own axis): each index computed a slice of
+        # the tokens, and the layer returns them as it got them. The gather is the plan's own,
+        # like the dispatch (``plan.unsharded`` does not list it; strict accepts it).
+        first = rw.tag
+        whole = tuple(R if a in sliced else o for o, a in zip(tok, axes))
+        rw.local[r.output] = rw.convert(
+            r.output, 0, whole, set(), r.output,
+            f"MoE layer '{r.module}' computed a slice of its tokens on each index of {', '.join(sliced)}, where "
+            f"the batch is whole; it returns them whole")
+        rw.place[r.output] = [whole]
+        plan.tags["tokens"] = tuple(range(first, rw.tag))
     _records(rw, plan)
     return plan
 
