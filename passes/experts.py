@@ -12,7 +12,7 @@ counts rows per expert and indexes by those counts. Instead this pass recognises
 
 The experts' own code (the *body*) is copied from the captured graph; everything around it is
 the region's meaning, so the user's routing code (sort, histc, cumsum, inverse permutation) is
-replaced, not sharded. Two shapes of MoE code are recognised:
+replaced, not sharded. Three shapes of MoE code are recognised:
 
 - **grouped** (sparse dispatch, Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts): a module
   ``forward(hidden [T, h], top_k_index [T, k], top_k_weights [T, k])`` holding experts stacked
@@ -20,6 +20,13 @@ replaced, not sharded. Two shapes of MoE code are recognised:
   through grouped matmuls (``autoshard.runtime.grouped_mm``, ``transformers::grouped_mm_fallback``)
   and multiplies the result by the routing weights. Meaning: ``out[t] = sum_j w[t, j] *
   expert_{idx[t, j]}(hidden[t])``. The experts dim is the stacked parameters' leading dim.
+- **batched** (Hugging Face's ``experts_implementation="batched_mm"``): the same module
+  signature, each token row repeated k times (``hidden.repeat_interleave(k, 0)``), each pair's
+  expert weights selected (``w[top_k_index.reshape(-1)]``) and applied by ``bmm``, the rows
+  weighted and summed over each token's k pairs. Same meaning as grouped; on each rank the body
+  runs on the rows of its experts, selecting weights by the rows' local expert ids
+  (``autoshard.runtime.experts.expert_ids``). The experts dim is the selected weights' leading dim
+  (one logical dim for all of them: the same ids select from each).
 - **looped** (dense experts): a ``ModuleList`` of identical expert modules, each applied to the
   same tokens ``x``, its output multiplied by a per-token weight ``w_e`` (zero for tokens that
   did not choose it) and summed: ``out = sum_e expert_e(x) * w_e``. Token t is routed to e where
@@ -28,8 +35,11 @@ replaced, not sharded. Two shapes of MoE code are recognised:
 
 Layout: the experts dim is named ``experts`` (unless the user named it), so
 ``layout={"experts": "ep"}`` places experts in contiguous blocks on ``ep``; the region's tokens
-are split over every axis that splits the batch, and over ``ep`` too (a local slice) when the
-batch is whole there. Expert parameters are then ``Shard(experts)`` (stacked) or ``Owned(i)``
+are split over every axis that splits the batch, and over ``ep`` too (a local slice, gathered
+back at the layer's output) when the batch is whole there. Only the region's own parameters are
+split along the experts dim: the router's experts dim (found back from the top-k that routes
+the region; the user may name it ``experts`` too) stays whole on ``ep``, where each rank scores
+every expert for its own tokens (:func:`regional_layout`). Expert parameters are then ``Shard(experts)`` (stacked) or ``Owned(i)``
 (one ``ModuleList`` entry, on the index that owns it) on ``ep`` and replicated elsewhere, so
 their gradients are summed only over the replicas of the same expert.
 
@@ -58,11 +68,10 @@ from autoshard.runtime import experts as X
 
 from .dims import DimInfo, module_of, source_line
 from .rules import grouped_matmul_rule, rule_for
-from .spmd import Collective, LayoutError
+from .spmd import EXPERTS, Collective, LayoutError
 
 aten = torch.ops.aten
 
-EXPERTS = "experts"  # the name given to an unnamed experts dim
 TOPK_FORMS = ("grouped", "batched")  # forms whose experts module reads (hidden, top_k_index, top_k_weights)
 
 # Ops a body may not contain: they write sizes, which differ per rank after dispatch.

@@ -1,8 +1,10 @@
 """Expert parallelism: MoE layers with dispatch / combine all-to-alls, against the unsharded model.
 
 The project's MoE example in both shapes (stacked experts with grouped matmuls; a ModuleList of
-expert MLPs) and Hugging Face's Mixtral and OLMoE built tiny from their configs; skewed routing,
-an expert nobody chooses, the capacity policy against an independent reference, training steps.
+expert MLPs) and Hugging Face's Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE built tiny from their
+configs, under each experts implementation torch.export captures and with the experts dim
+inferred or named by the user (router included); skewed routing, an expert nobody chooses, the
+capacity policy against an independent reference, training steps.
 """
 import collections
 import copy
@@ -423,3 +425,30 @@ def test_batched_and_grouped_mm_train_exactly_with_the_router_named_experts(impl
     close(torch.tensor(losses), torch.tensor(ref_losses), "losses", exact())
     for name, p in ref_params.items():
         close(params[name], p, name, exact(name))
+
+
+class _DenseMixture(torch.nn.Module):
+    """Every expert on every token, weighted by the router's softmax: no per-token selection of
+    experts, so not an MoE layer of passes/experts.py (its experts dim is an ordinary dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        probs = self.gate(x).softmax(-1)                      # [tokens, experts]
+        y = torch.einsum("th,eoh->teo", x, self.w)            # [tokens, experts, out]
+        return (y * probs[..., None]).sum(1).square().sum()
+
+
+def test_experts_and_batch_on_one_axis_outside_an_moe_layer_is_refused_with_readmes_reason():
+    """README's EP layout puts the batch and the experts on one axis; where no MoE layer is
+    recognised that cannot work, and the error says so instead of only 'shard one of them on
+    another axis'."""
+    torch.manual_seed(0)
+    with pytest.raises(autoshard.LayoutError, match=r"would shard two dims of one tensor.*'experts'.*experts share "
+                                                    r"an axis with the tokens only in a Mixture-of-Experts layer"):
+        autoshard.autoshard(_DenseMixture(), (torch.randn(6, 8),), mesh=Mesh({"ep": 2}),
+                            dims={"x": "batch hidden", "gate.weight": "experts hidden", "w": "experts out hidden"},
+                            layout={"batch": "ep", "experts": "ep"})
