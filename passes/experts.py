@@ -108,7 +108,7 @@ class ExpertRegion:
     body_out: fx.Node  # the body's result rows
     rows: Optional[fx.Node] = None  # grouped: the original gather of token rows (body input)
     offsets: Optional[fx.Node] = None  # grouped: the original per-expert row offsets
-    expert_ids: Optional[fx.Node] = None  # batched: the original per-row expert ids (selecting weights)
+    expert_ids: Optional[fx.Node] = None  # the original per-row expert ids (selecting weights, biases)
     top_k_index: Optional[fx.Node] = None
     top_k_weights: Optional[fx.Node] = None
     params: list = field(default_factory=list)  # grouped: stacked expert parameters
@@ -232,27 +232,27 @@ def _param_only(graph, region, params) -> set:
     return out
 
 
-def _body(graph, region, params, body_out, rows, index, gathers=()) -> list:
+def _body(graph, region, params, body_out, rows, index: tuple, gathers=()) -> list:
     """The experts' own computation: the nodes from the token ``rows`` to ``body_out``, in graph
     order, each row by row (dim 0: one row per (token, expert) pair) and writing no sizes, so
     that it runs on any number of rows; parameter preparation included. ``index``: what tells
     the rows' experts apart (the grouped form's offsets, the batched form's expert ids);
-    ``gathers``: the batched form's per-row selections of expert weights (``w[expert_ids]``),
-    which index but write no sizes."""
-    anc = _closure([body_out], region, forward=False, stop={rows, index}) | {body_out}
+    ``gathers``: per-row selections of expert weights or biases (``w[expert_ids]``), which
+    index but write no sizes."""
+    anc = _closure([body_out], region, forward=False, stop={rows, *index}) | {body_out}
     param_only = _param_only(graph, region, params)
     from_rows = _closure([rows, *gathers], region) | set(gathers)
     S = _tensor(rows).shape[0]
     body = []
     for n in _calls(graph):
-        if n not in anc or n is rows or n is index:
+        if n not in anc or n is rows or n in index:
             continue
         if n in param_only:
             body.append(n)
             continue
         if n not in from_rows:
             raise NotRecognised(f"the experts' computation reads {n.name} ({n.target}), which is neither a token "
-                                f"row, an expert parameter nor the per-expert {'offsets' if not gathers else 'ids'}")
+                                f"row, an expert parameter nor the per-expert offsets or ids")
         if n.target in SIZED and n not in gathers:
             raise NotRecognised(f"the experts' computation contains {n.target} ({n.name}), which writes sizes")
         vals = n.meta.get("val")
@@ -260,7 +260,7 @@ def _body(graph, region, params, body_out, rows, index, gathers=()) -> list:
         if any(isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != S) for v in vals):
             raise NotRecognised(f"{n.name} ({n.target}) in the experts' computation is not row by row")
         for a in n.all_input_nodes:
-            if a not in anc and a is not rows and a is not index and a not in params:
+            if a not in anc and a is not rows and a not in index and a not in params:
                 raise NotRecognised(f"{n.name} reads {a.name}, computed outside the experts")
         body.append(n)
     return body
@@ -287,16 +287,25 @@ def _grouped(graph, info, mod, gops) -> ExpertRegion:
     if len(offsets) != 1:
         raise NotRecognised("its grouped matmuls do not share one offsets tensor")
     offsets = offsets.pop()
-    body_out = _meets_weights(region, wts, [rows])
-    body = _body(graph, region, params, body_out, rows, offsets)
+    # Per-row selections (expert biases, ``b[expert_ids_sorted]``) by the sorted expert ids of
+    # the sort whose permutation gathered the rows (``hidden[perm // k]``): each row's expert.
+    src = rows.args[1][0] if len(rows.args[1]) == 1 else None
+    ids = None
+    if src is not None and src.target == aten.floor_divide.default and src.args[0].target is operator.getitem:
+        ids = next((u for u in src.args[0].args[0].users if u.target is operator.getitem and u.args[1] == 0), None)
+    gathers = [n for n in _calls(graph) if n in region and ids is not None and _selects(n, ids)]
+    body_out = _meets_weights(region, wts, [rows, *gathers])
+    body = _body(graph, region, params, body_out, rows, (offsets, ids), gathers)
     atoms = {info.leaves(info.of(g.args[1])[0]) for g in gops}
     if len(atoms) != 1:
         raise NotRecognised("its grouped matmuls do not share one experts dim")
-    atoms = atoms.pop()
+    atoms = _unify_experts(info, mod, [gops[0].args[1], *(g.args[0] for g in gathers if g in body)],
+                           [info.of(gops[0].args[1])[0]] + [info.of(g.args[0])[0] for g in gathers if g in body])
     E = math.prod(info.table.size[a] for a in atoms)
     used = sorted((p for p in params if any(p in b.all_input_nodes for b in body)), key=lambda p: p.name)
     return ExpertRegion(mod, "grouped", frozenset(region), out, hid, E, atoms, body, body_out, rows=rows,
-                        offsets=offsets, top_k_index=idx, top_k_weights=wts, params=used)
+                        offsets=offsets, expert_ids=ids if any(g in body for g in gathers) else None,
+                        top_k_index=idx, top_k_weights=wts, params=used)
 
 
 # ---- batched: stacked experts selected per row, batched matmuls ---------------------------------
@@ -351,26 +360,38 @@ def _batched(graph, info, mod, gathers) -> ExpertRegion:
     if len(rows) != 1:
         raise NotRecognised("it does not repeat each token row top_k times (hidden.repeat_interleave(top_k, 0))")
     rows = rows[0]
+    gathers = [n for n in _calls(graph) if n in region and _selects(n, ids)]  # weights and biases
     param_only = _param_only(graph, region, params)
     for g in gathers:
         if g.args[0] not in params and g.args[0] not in param_only:
             raise NotRecognised(f"{g.name} selects rows of {g.args[0].name}, which is not an expert parameter")
     body_out = _meets_weights(region, wts, [rows, *gathers])
     _check_weighted_sum(region, body_out, wts, out, T, k)
-    body = _body(graph, region, params, body_out, rows, ids, gathers)
-    # The gathered weights' experts dims are one logical dim: the same ids select from each.
-    first = info.of(gathers[0].args[0])[0]
-    for g in gathers[1:]:
-        if _tensor(g.args[0]).shape[0] != _tensor(gathers[0].args[0]).shape[0]:
-            raise NotRecognised("its stacked expert weights do not have one number of experts")
-        for a, b in info.unify(first, info.of(g.args[0])[0]):
-            raise LayoutError(f"the experts dims of {gathers[0].args[0].name} and {g.args[0].name} in '{mod}' are "
-                              f"named {a!r} and {b!r}, but one expert id selects from both: use one name")
-    atoms = info.leaves(first)
+    body = _body(graph, region, params, body_out, rows, (ids,), gathers)
+    # The selected tensors' experts dims are one logical dim: the same ids select from each.
+    atoms = _unify_experts(info, mod, [g.args[0] for g in gathers], [info.of(g.args[0])[0] for g in gathers])
     E = math.prod(info.table.size[a] for a in atoms)
     used = sorted((p for p in params if any(p in b.all_input_nodes for b in body)), key=lambda p: p.name)
     return ExpertRegion(mod, "batched", frozenset(region), out, hid, E, atoms, body, body_out, rows=rows,
                         expert_ids=ids, top_k_index=idx, top_k_weights=wts, params=used)
+
+
+def _selects(n, ids) -> bool:
+    """``n`` is ``t[ids]``: rows of a per-expert tensor selected by per-row expert ids."""
+    return n.target == aten.index.Tensor and len(n.args[1]) == 1 and n.args[1][0] is ids
+
+
+def _unify_experts(info, mod, tensors, dims) -> tuple:
+    """Make the experts dims ``dims`` of ``tensors`` (stacked per-expert weights and biases of one
+    MoE layer) one logical dim; its leaf atoms."""
+    sizes = {_tensor(t).shape[0] for t in tensors}
+    if len(sizes) != 1:
+        raise NotRecognised(f"its per-expert tensors do not have one number of experts ({sorted(sizes)})")
+    for t, d in zip(tensors[1:], dims[1:]):
+        for a, b in info.unify(dims[0], d):
+            raise LayoutError(f"the experts dims of {tensors[0].name} and {t.name} in '{mod}' are named {a!r} and "
+                              f"{b!r}, but they are one dim (each row's expert selects from both): use one name")
+    return info.leaves(dims[0])
 
 
 def _repeats(node, hid, T, k) -> bool:
@@ -671,12 +692,12 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
     t_dispatch = new_tag("dispatch")
     mine = call(X.dispatch_rows, rows, route, t_dispatch, val=meta((plan.pairs, h), hv))
     if r.form in TOPK_FORMS:
-        if r.form == "grouped":
-            env = {r.rows: mine, r.offsets: call(X.expert_offsets, route, _tensor(r.offsets).dtype,
-                                                  val=meta((El,), _tensor(r.offsets)))}
-        else:
-            env = {r.rows: mine, r.expert_ids: call(X.expert_ids, route, _tensor(r.expert_ids).dtype,
-                                                     val=meta((plan.pairs,), _tensor(r.expert_ids)))}
+        env = {r.rows: mine}
+        if r.offsets is not None:
+            env[r.offsets] = call(X.expert_offsets, route, _tensor(r.offsets).dtype, val=meta((El,), _tensor(r.offsets)))
+        if r.expert_ids is not None:
+            env[r.expert_ids] = call(X.expert_ids, route, _tensor(r.expert_ids).dtype,
+                                     val=meta((plan.pairs,), _tensor(r.expert_ids)))
         for p in r.params:
             target = rw.fixed.get(p.name) or rw.desired(p)
             varying = {a for a, o in zip(axes, target) if a in token_axes and not isinstance(o, Shard)}

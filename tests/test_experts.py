@@ -320,6 +320,10 @@ def _hf_impl(name, impl):
                                                            moe_intermediate_size=16), transformers.Qwen3MoeForCausalLM),
         "olmoe": (lambda: transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
                   transformers.OlmoeForCausalLM),
+        # per-expert biases, selected per row like the weights
+        "gpt_oss": (lambda: transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=4,
+                                                      layer_types=["full_attention"] * 2),
+                    transformers.GptOssForCausalLM),
     }[name]
     model = cls(config())
     assert model.config._experts_implementation == impl
@@ -397,6 +401,21 @@ def test_every_implementation_and_naming_plans_readme_layout_strictly_and_exactl
     experts_reduced = [c for c in plan.collectives if c.kind == "all_reduce" and ".experts" in c.where
                        and (c.phase == "forward" or c.axes == ("ep",))]
     assert not experts_reduced, [(c.phase, c.axes, c.where, c.why) for c in experts_reduced]
+    _assert_exact64(plan, model, args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_biases_are_selected_per_row_on_the_experts_ranks(impl):
+    """GPT-OSS's experts add per-expert biases, selected per row by the rows' expert ids (sorted
+    ids in grouped_mm, the flattened top_k_index in batched_mm): on ep each rank selects from its
+    own experts' biases with the rows' local ids. Router (weight and bias) named ``experts``."""
+    model, args = _hf_impl("gpt_oss", impl)
+    dims = {**HF_DIMS, "*.mlp.router.weight": "experts hidden", "*.mlp.router.bias": "experts"}
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=dims, layout=DATA, strict=True)
+    assert [p.region.form for p in plan.program.experts] == [impl.split("_")[0]] * 2
+    biases = [n for n, _ in model.named_parameters() if n.endswith("_bias") and ".experts." in n]
+    assert len(biases) == 4 and all(str(plan.placement_of(n)[1]) == "S(0)" for n in biases)
+    assert all(str(plan.placement_of(n)[1]) == "R" for n, _ in model.named_parameters() if ".router." in n)
     _assert_exact64(plan, model, args)
 
 
