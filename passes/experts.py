@@ -14,12 +14,14 @@ The experts' own code (the *body*) is copied from the captured graph; everything
 the region's meaning, so the user's routing code (sort, histc, cumsum, inverse permutation) is
 replaced, not sharded. Three shapes of MoE code are recognised:
 
-- **grouped** (sparse dispatch, Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts): a module
+- **grouped** (sparse dispatch, Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts, whose default
+  ``experts_implementation`` is ``"grouped_mm"``): a module
   ``forward(hidden [T, h], top_k_index [T, k], top_k_weights [T, k])`` holding experts stacked
   in ``[experts, ...]`` parameters, whose code gathers token rows (``hidden[...]``), runs them
   through grouped matmuls (``autoshard.runtime.grouped_mm``, ``transformers::grouped_mm_fallback``)
   and multiplies the result by the routing weights. Meaning: ``out[t] = sum_j w[t, j] *
   expert_{idx[t, j]}(hidden[t])``. The experts dim is the stacked parameters' leading dim.
+  Per-expert biases (GPT-OSS) are selected per row by the sorted expert ids.
 - **batched** (Hugging Face's ``experts_implementation="batched_mm"``): the same module
   signature, each token row repeated k times (``hidden.repeat_interleave(k, 0)``), each pair's
   expert weights selected (``w[top_k_index.reshape(-1)]``) and applied by ``bmm``, the rows
@@ -39,9 +41,10 @@ are split over every axis that splits the batch, and over ``ep`` too (a local sl
 back at the layer's output) when the batch is whole there. Only the region's own parameters are
 split along the experts dim: the router's experts dim (found back from the top-k that routes
 the region; the user may name it ``experts`` too) stays whole on ``ep``, where each rank scores
-every expert for its own tokens (:func:`regional_layout`). Expert parameters are then ``Shard(experts)`` (stacked) or ``Owned(i)``
-(one ``ModuleList`` entry, on the index that owns it) on ``ep`` and replicated elsewhere, so
-their gradients are summed only over the replicas of the same expert.
+every expert for its own tokens (:func:`regional_layout`). Expert parameters are then
+``Shard(experts)`` (stacked) or ``Owned(i)`` (one ``ModuleList`` entry, on the index that owns
+it) on ``ep`` and replicated elsewhere, so their gradients are summed only over the replicas of
+the same expert.
 
 Example::
 
