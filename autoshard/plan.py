@@ -109,9 +109,12 @@ class Plan:
                 print(u.dim, u.axis, u.where, u.line, u.bytes)
         """
         nodes = {n.name: n for n in self.captured.graph.nodes}
+        # an MoE layer that split its tokens on an axis the batch is whole on gathers its output
+        # back there: the plan's own gather (passes/experts.py), not a lapse
+        planned = {t for moe in getattr(self.program, "experts", ()) for t in moe.tags.get("tokens", ())}
         out = []
         for c in self.program.collectives:
-            if c.phase != "forward" or c.kind != "all_gather" or c.op != "all_gather":
+            if c.phase != "forward" or c.kind != "all_gather" or c.op != "all_gather" or c.tag in planned:
                 continue
             st = self.program.storage.get(c.node)
             if st is not None and (st.axis,) == c.axes:  # a ZeRO-3 shard gathered for replicated work

@@ -162,6 +162,32 @@ class DimInfo:
     def leaves(self, atoms) -> tuple:
         return self.table.leaf_tuple(atoms)
 
+    def unify(self, la, lb) -> list:
+        """Make two dims one logical dim after inference (a later pass found that they are, e.g.
+        the experts dims of stacked expert weights that one expert-id tensor selects from); user
+        names move to the unified dim. Returns ``[(name, other name)]`` for two different names
+        that now name one dim (the caller reports them).
+
+        >>> info = DimInfo(DimTable(), {}, {}, [])
+        >>> a, b = info.table.new(4, "a"), info.table.new(4, "b")
+        >>> info.names[(b,)] = "experts"
+        >>> info.unify([a], [b]), info.dim_name([a])
+        ([], 'experts')
+        """
+        if not self.table.unify(la, lb):
+            raise ValueError(f"dims of sizes {[self.table.size[a] for a in self.leaves(la)]} and "
+                             f"{[self.table.size[b] for b in self.leaves(lb)]} do not align")
+        names, clashes = {}, []
+        for lv, n in self.names.items():
+            key = self.leaves(lv)
+            if names.get(key, n) != n:
+                clashes.append((names[key], n))
+            else:
+                names[key] = n
+        self.names.clear()
+        self.names.update(names)
+        return clashes
+
     def atom_name(self, a: int) -> str:
         r = self.table.find(a)
         return self.names.get((r,), self.table.origin[r])

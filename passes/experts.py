@@ -12,14 +12,23 @@ counts rows per expert and indexes by those counts. Instead this pass recognises
 
 The experts' own code (the *body*) is copied from the captured graph; everything around it is
 the region's meaning, so the user's routing code (sort, histc, cumsum, inverse permutation) is
-replaced, not sharded. Two shapes of MoE code are recognised:
+replaced, not sharded. Three shapes of MoE code are recognised:
 
-- **grouped** (sparse dispatch, Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts): a module
+- **grouped** (sparse dispatch, Hugging Face's Mixtral / Qwen2-MoE / OLMoE experts, whose default
+  ``experts_implementation`` is ``"grouped_mm"``): a module
   ``forward(hidden [T, h], top_k_index [T, k], top_k_weights [T, k])`` holding experts stacked
   in ``[experts, ...]`` parameters, whose code gathers token rows (``hidden[...]``), runs them
   through grouped matmuls (``autoshard.runtime.grouped_mm``, ``transformers::grouped_mm_fallback``)
   and multiplies the result by the routing weights. Meaning: ``out[t] = sum_j w[t, j] *
   expert_{idx[t, j]}(hidden[t])``. The experts dim is the stacked parameters' leading dim.
+  Per-expert biases (GPT-OSS) are selected per row by the sorted expert ids.
+- **batched** (Hugging Face's ``experts_implementation="batched_mm"``): the same module
+  signature, each token row repeated k times (``hidden.repeat_interleave(k, 0)``), each pair's
+  expert weights selected (``w[top_k_index.reshape(-1)]``) and applied by ``bmm``, the rows
+  weighted and summed over each token's k pairs. Same meaning as grouped; on each rank the body
+  runs on the rows of its experts, selecting weights by the rows' local expert ids
+  (``autoshard.runtime.experts.expert_ids``). The experts dim is the selected weights' leading dim
+  (one logical dim for all of them: the same ids select from each).
 - **looped** (dense experts): a ``ModuleList`` of identical expert modules, each applied to the
   same tokens ``x``, its output multiplied by a per-token weight ``w_e`` (zero for tokens that
   did not choose it) and summed: ``out = sum_e expert_e(x) * w_e``. Token t is routed to e where
@@ -28,10 +37,14 @@ replaced, not sharded. Two shapes of MoE code are recognised:
 
 Layout: the experts dim is named ``experts`` (unless the user named it), so
 ``layout={"experts": "ep"}`` places experts in contiguous blocks on ``ep``; the region's tokens
-are split over every axis that splits the batch, and over ``ep`` too (a local slice) when the
-batch is whole there. Expert parameters are then ``Shard(experts)`` (stacked) or ``Owned(i)``
-(one ``ModuleList`` entry, on the index that owns it) on ``ep`` and replicated elsewhere, so
-their gradients are summed only over the replicas of the same expert.
+are split over every axis that splits the batch, and over ``ep`` too (a local slice, gathered
+back at the layer's output) when the batch is whole there. Only the region's own parameters are
+split along the experts dim: the router's experts dim (found back from the top-k that routes
+the region; the user may name it ``experts`` too) stays whole on ``ep``, where each rank scores
+every expert for its own tokens (:func:`regional_layout`). Expert parameters are then
+``Shard(experts)`` (stacked) or ``Owned(i)`` (one ``ModuleList`` entry, on the index that owns
+it) on ``ep`` and replicated elsewhere, so their gradients are summed only over the replicas of
+the same expert.
 
 Example::
 
@@ -46,7 +59,7 @@ import operator
 import re
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -58,11 +71,11 @@ from autoshard.runtime import experts as X
 
 from .dims import DimInfo, module_of, source_line
 from .rules import grouped_matmul_rule, rule_for
-from .spmd import Collective, LayoutError
+from .spmd import EXPERTS, Collective, LayoutError
 
 aten = torch.ops.aten
 
-EXPERTS = "experts"  # the name given to an unnamed experts dim
+TOPK_FORMS = ("grouped", "batched")  # forms whose experts module reads (hidden, top_k_index, top_k_weights)
 
 # Ops a body may not contain: they write sizes, which differ per rank after dispatch.
 SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
@@ -88,7 +101,7 @@ class ExpertRegion:
     """One recognised MoE layer of the captured graph."""
 
     module: str  # the experts module (grouped) or the ModuleList (looped)
-    form: str  # "grouped" | "looped"
+    form: str  # "grouped" | "batched" | "looped"
     nodes: frozenset  # nodes the region's program replaces
     output: fx.Node  # the node whose value the region computes ([T, h])
     hidden: fx.Node  # the token rows the experts read ([T, h])
@@ -98,6 +111,7 @@ class ExpertRegion:
     body_out: fx.Node  # the body's result rows
     rows: Optional[fx.Node] = None  # grouped: the original gather of token rows (body input)
     offsets: Optional[fx.Node] = None  # grouped: the original per-expert row offsets
+    expert_ids: Optional[fx.Node] = None  # the original per-row expert ids (selecting weights, biases)
     top_k_index: Optional[fx.Node] = None
     top_k_weights: Optional[fx.Node] = None
     params: list = field(default_factory=list)  # grouped: stacked expert parameters
@@ -105,6 +119,7 @@ class ExpertRegion:
     expert_params: list = field(default_factory=list)  # looped: per expert, its parameters in body order
     init: Optional[fx.Node] = None  # looped: the accumulator's start (zeros), if any
     capacity_factor: Optional[float] = None
+    router_dims: tuple = ()  # leaf tuples of the router's experts dim (the dim its top-k chooses along)
 
     @property
     def top_k(self) -> int:
@@ -121,7 +136,7 @@ def find_expert_regions(graph: fx.Graph, info: DimInfo, capacity_factor: Optiona
     regions = info.recognised.get(EXPERTS)
     if regions is None:
         regions = []
-        for finder in (_grouped_regions, _looped_regions):
+        for finder in (_grouped_regions, _batched_regions, _looped_regions):
             for candidate, attempt in finder(graph, info):
                 try:
                     regions.append(attempt())
@@ -134,6 +149,7 @@ def find_expert_regions(graph: fx.Graph, info: DimInfo, capacity_factor: Optiona
         for r in regions:
             lv = tuple(r.experts_atoms)
             info.names.setdefault(lv, EXPERTS)
+            r.router_dims = _router_dims(info, r)
         info.recognised[EXPERTS] = regions
     if capacity_factor is not None:
         if not capacity_factor > 0:
@@ -186,7 +202,9 @@ def _grouped_regions(graph, info):
         yield f"module '{mod}'", (lambda mod=mod, gops=gops: _grouped(graph, info, mod, gops))
 
 
-def _grouped(graph, info, mod, gops) -> ExpertRegion:
+def _interface(graph, mod):
+    """(region nodes, parameters, token rows, top_k_index, top_k_weights, output) of an experts
+    module ``forward(hidden [T, h], top_k_index [T, k], top_k_weights [T, k]) -> [T, h]``."""
     region = {n for n in _calls(graph) if mod in _paths(n)}
     ext = {a for n in region for a in n.all_input_nodes if a not in region}
     params = {a for a in ext if a.op == "placeholder"}
@@ -205,56 +223,216 @@ def _grouped(graph, info, mod, gops) -> ExpertRegion:
     outs = _outputs(region)
     if len(outs) != 1 or _tensor(outs[0]) is None or tuple(_tensor(outs[0]).shape) != tuple(_tensor(hid).shape):
         raise NotRecognised("it does not return one [T, h] tensor")
-    gathers = [n for n in region if n.target == aten.index.Tensor and n.args[0] is hid]
-    if len(gathers) != 1:
-        raise NotRecognised("it does not gather token rows with one hidden[...] index")
-    rows = gathers[0]
-    weighted = _closure([wts], region)
-    from_rows = _closure([rows], region) - weighted
-    ends = [n for n in from_rows if any(u in weighted for u in n.users)]
-    if len(ends) != 1:
-        raise NotRecognised("its expert outputs do not meet the routing weights in one place")
-    body_out = ends[0]
-    offsets = {g.args[2] if len(g.args) > 2 else g.kwargs.get("offs") for g in gops}
-    if len(offsets) != 1:
-        raise NotRecognised("its grouped matmuls do not share one offsets tensor")
-    offsets = offsets.pop()
-    anc = _closure([body_out], region, forward=False, stop={rows, offsets}) | {body_out}
-    param_only = set()
+    return region, params, hid, idx, wts, outs[0]
+
+
+def _param_only(graph, region, params) -> set:
+    """Nodes of ``region`` computed from expert parameters alone (their preparation)."""
+    out = set()
     for n in _calls(graph):
-        if n in region and n.all_input_nodes and all(a in params or a in param_only for a in n.all_input_nodes):
-            param_only.add(n)
-    body = []
+        if n in region and n.all_input_nodes and all(a in params or a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _body(graph, region, params, body_out, rows, index: tuple, gathers=()) -> list:
+    """The experts' own computation: the nodes from the token ``rows`` to ``body_out``, in graph
+    order, each row by row (dim 0: one row per (token, expert) pair) and writing no sizes, so
+    that it runs on any number of rows; parameter preparation included. ``index``: what tells
+    the rows' experts apart (the grouped form's offsets, the batched form's expert ids);
+    ``gathers``: per-row selections of expert weights or biases (``w[expert_ids]``), which
+    index but write no sizes."""
+    anc = _closure([body_out], region, forward=False, stop={rows, *index}) | {body_out}
+    param_only = _param_only(graph, region, params)
+    from_rows = _closure([rows, *gathers], region) | set(gathers)
     S = _tensor(rows).shape[0]
+    body = []
     for n in _calls(graph):
-        if n not in anc or n is rows:
+        if n not in anc or n is rows or n in index:
             continue
         if n in param_only:
             body.append(n)
             continue
-        if n is offsets:
-            continue
         if n not in from_rows:
             raise NotRecognised(f"the experts' computation reads {n.name} ({n.target}), which is neither a token "
-                                f"row, an expert parameter nor the per-expert offsets")
-        if n.target in SIZED:
+                                f"row, an expert parameter nor the per-expert offsets or ids")
+        if n.target in SIZED and n not in gathers:
             raise NotRecognised(f"the experts' computation contains {n.target} ({n.name}), which writes sizes")
         vals = n.meta.get("val")
         vals = vals if isinstance(vals, (tuple, list)) else [vals]
         if any(isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != S) for v in vals):
             raise NotRecognised(f"{n.name} ({n.target}) in the experts' computation is not row by row")
         for a in n.all_input_nodes:
-            if a not in anc and a is not rows and a not in params and a is not offsets:
+            if a not in anc and a is not rows and a not in index and a not in params:
                 raise NotRecognised(f"{n.name} reads {a.name}, computed outside the experts")
         body.append(n)
+    return body
+
+
+def _meets_weights(region, wts, starts) -> fx.Node:
+    """The one node where the experts' output rows (computed from ``starts``) meet the routing
+    weights: the body's output."""
+    weighted = _closure([wts], region)
+    from_rows = _closure(list(starts), region) - weighted
+    ends = [n for n in from_rows if any(u in weighted for u in n.users)]
+    if len(ends) != 1:
+        raise NotRecognised("its expert outputs do not meet the routing weights in one place")
+    return ends[0]
+
+
+def _grouped(graph, info, mod, gops) -> ExpertRegion:
+    region, params, hid, idx, wts, out = _interface(graph, mod)
+    gathers = [n for n in region if n.target == aten.index.Tensor and n.args[0] is hid]
+    if len(gathers) != 1:
+        raise NotRecognised("it does not gather token rows with one hidden[...] index")
+    rows = gathers[0]
+    offsets = {g.args[2] if len(g.args) > 2 else g.kwargs.get("offs") for g in gops}
+    if len(offsets) != 1:
+        raise NotRecognised("its grouped matmuls do not share one offsets tensor")
+    offsets = offsets.pop()
+    # Per-row selections (expert biases, ``b[expert_ids_sorted]``) by the sorted expert ids of
+    # the sort whose permutation gathered the rows (``hidden[perm // k]``): each row's expert.
+    src = rows.args[1][0] if len(rows.args[1]) == 1 else None
+    ids = None
+    if src is not None and src.target == aten.floor_divide.default and src.args[0].target is operator.getitem:
+        ids = next((u for u in src.args[0].args[0].users if u.target is operator.getitem and u.args[1] == 0), None)
+    gathers = [n for n in _calls(graph) if n in region and ids is not None and _selects(n, ids)]
+    body_out = _meets_weights(region, wts, [rows, *gathers])
+    body = _body(graph, region, params, body_out, rows, (offsets, ids), gathers)
     atoms = {info.leaves(info.of(g.args[1])[0]) for g in gops}
     if len(atoms) != 1:
         raise NotRecognised("its grouped matmuls do not share one experts dim")
-    atoms = atoms.pop()
+    atoms = _unify_experts(info, mod, [gops[0].args[1], *(g.args[0] for g in gathers if g in body)],
+                           [info.of(gops[0].args[1])[0]] + [info.of(g.args[0])[0] for g in gathers if g in body])
     E = math.prod(info.table.size[a] for a in atoms)
     used = sorted((p for p in params if any(p in b.all_input_nodes for b in body)), key=lambda p: p.name)
-    return ExpertRegion(mod, "grouped", frozenset(region), outs[0], hid, E, atoms, body, body_out, rows=rows,
-                        offsets=offsets, top_k_index=idx, top_k_weights=wts, params=used)
+    return ExpertRegion(mod, "grouped", frozenset(region), out, hid, E, atoms, body, body_out, rows=rows,
+                        offsets=offsets, expert_ids=ids if any(g in body for g in gathers) else None,
+                        top_k_index=idx, top_k_weights=wts, params=used)
+
+
+# ---- batched: stacked experts selected per row, batched matmuls ---------------------------------
+
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+CASTS = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.clone.default, aten.contiguous.default}
+
+
+def _weight_gather(n) -> bool:
+    """``w[ids]`` on a stacked expert weight (``[experts, ...]``, rank 3 or more: a per-expert
+    matrix) with one 1-d integer index: the batched form's selection of each row's expert."""
+    if n.target != aten.index.Tensor or len(n.args) < 2 or len(n.args[1]) != 1:
+        return False
+    w, ids = _tensor(n.args[0]), _tensor(n.args[1][0])
+    return w is not None and w.dim() >= 3 and ids is not None and ids.dim() == 1 and not ids.is_floating_point()
+
+
+def _batched_regions(graph, info):
+    by_module = defaultdict(list)
+    for n in _calls(graph):
+        if _weight_gather(n):
+            by_module[module_of(n)].append(n)
+    grouped = {module_of(n) for n in _calls(graph) if rule_for(n.target) is grouped_matmul_rule}
+    for mod, gathers in by_module.items():
+        if mod not in grouped and any(n.target == aten.bmm.default and module_of(n) == mod for n in _calls(graph)):
+            yield f"module '{mod}'", (lambda mod=mod, gathers=gathers: _batched(graph, info, mod, gathers))
+
+
+def _through(node, ops, to) -> fx.Node:
+    """``node`` followed back through single-input ops of ``ops`` until ``to``."""
+    while node is not to and node.op == "call_function" and node.target in ops and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _batched(graph, info, mod, gathers) -> ExpertRegion:
+    """Hugging Face's ``experts_implementation="batched_mm"``: every token repeated k times
+    (``hidden.repeat_interleave(k, 0)``, pair s = token s // k), each pair's expert weights
+    selected (``w[top_k_index.reshape(-1)]``) and applied by ``bmm``; the rows weighted by
+    ``top_k_weights.reshape(-1)`` and summed over each token's k pairs. Same meaning as the
+    grouped form; its body runs on the rows of this rank's experts with their local expert ids."""
+    region, params, hid, idx, wts, out = _interface(graph, mod)
+    T, k = _tensor(idx).shape
+    ids = {g.args[1][0] for g in gathers}
+    if len(ids) != 1:
+        raise NotRecognised("its expert weights are not all selected by one per-row expert id tensor")
+    ids = ids.pop()
+    if _through(ids, VIEWS | CASTS, idx) is not idx or tuple(_tensor(ids).shape) != (T * k,):
+        raise NotRecognised("the ids selecting its expert weights are not top_k_index flattened (token-major)")
+    rows = [n for n in region if n.target in VIEWS and tuple(_tensor(n).shape) == (T * k, _tensor(hid).shape[1])
+            and _repeats(n.args[0], hid, T, k)]
+    if len(rows) != 1:
+        raise NotRecognised("it does not repeat each token row top_k times (hidden.repeat_interleave(top_k, 0))")
+    rows = rows[0]
+    gathers = [n for n in _calls(graph) if n in region and _selects(n, ids)]  # weights and biases
+    param_only = _param_only(graph, region, params)
+    for g in gathers:
+        if g.args[0] not in params and g.args[0] not in param_only:
+            raise NotRecognised(f"{g.name} selects rows of {g.args[0].name}, which is not an expert parameter")
+    body_out = _meets_weights(region, wts, [rows, *gathers])
+    _check_weighted_sum(region, body_out, wts, out, T, k)
+    body = _body(graph, region, params, body_out, rows, (ids,), gathers)
+    # The selected tensors' experts dims are one logical dim: the same ids select from each.
+    atoms = _unify_experts(info, mod, [g.args[0] for g in gathers], [info.of(g.args[0])[0] for g in gathers])
+    E = math.prod(info.table.size[a] for a in atoms)
+    used = sorted((p for p in params if any(p in b.all_input_nodes for b in body)), key=lambda p: p.name)
+    return ExpertRegion(mod, "batched", frozenset(region), out, hid, E, atoms, body, body_out, rows=rows,
+                        expert_ids=ids, top_k_index=idx, top_k_weights=wts, params=used)
+
+
+def _selects(n, ids) -> bool:
+    """``n`` is ``t[ids]``: rows of a per-expert tensor selected by per-row expert ids."""
+    return n.target == aten.index.Tensor and len(n.args[1]) == 1 and n.args[1][0] is ids
+
+
+def _unify_experts(info, mod, tensors, dims) -> tuple:
+    """Make the experts dims ``dims`` of ``tensors`` (stacked per-expert weights and biases of one
+    MoE layer) one logical dim; its leaf atoms."""
+    sizes = {_tensor(t).shape[0] for t in tensors}
+    if len(sizes) != 1:
+        raise NotRecognised(f"its per-expert tensors do not have one number of experts ({sorted(sizes)})")
+    for t, d in zip(tensors[1:], dims[1:]):
+        for a, b in info.unify(dims[0], d):
+            raise LayoutError(f"the experts dims of {tensors[0].name} and {t.name} in '{mod}' are named {a!r} and "
+                              f"{b!r}, but they are one dim (each row's expert selects from both): use one name")
+    return info.leaves(dims[0])
+
+
+def _repeats(node, hid, T, k) -> bool:
+    """``node`` is ``hid.unsqueeze(1).expand(T, k, h)`` (repeat_interleave as captured)."""
+    if node.target != aten.expand.default or tuple(_tensor(node).shape) != (T, k, _tensor(hid).shape[1]):
+        return False
+    u = node.args[0]
+    return u.target == aten.unsqueeze.default and u.args[0] is hid and u.args[1] == 1
+
+
+def _check_weighted_sum(region, body_out, wts, out, T, k) -> None:
+    """The region's output is ``sum_j rows[t*k + j] * w[t, j]``: the body's rows times the
+    flattened weights, viewed [T, k, ...] and summed over k (casts allowed)."""
+    users = list(body_out.users)
+    if len(users) != 1 or users[0].target != aten.mul.Tensor:
+        raise NotRecognised("its expert output rows are not multiplied by the routing weights")
+    mul = users[0]
+    w = mul.args[1] if mul.args[0] is body_out else mul.args[0]
+    if not isinstance(w, fx.Node) or _through(w, VIEWS | CASTS | {aten.unsqueeze.default}, wts) is not wts:
+        raise NotRecognised("its expert output rows are not multiplied by the flattened routing weights")
+    n, summed = mul, 0
+    while n is not out:
+        users = [u for u in n.users if u in region]
+        if len(users) != 1:
+            raise NotRecognised("its weighted rows are not summed over each token's choices")
+        n = users[0]
+        if n.target in VIEWS and not summed:
+            if tuple(_tensor(n).shape[:2]) != (T, k):
+                raise NotRecognised("its weighted rows are not viewed as [tokens, top_k, ...] before the sum")
+        elif n.target == aten.sum.dim_IntList and not summed:
+            if list(n.args[1]) not in ([1], [1 - _tensor(n.args[0]).dim()]) or (len(n.args) > 2 and n.args[2]) \
+                    or tuple(_tensor(n.args[0]).shape[:2]) != (T, k):
+                raise NotRecognised("its weighted rows are not summed over each token's choices")
+            summed += 1
+        elif n.target not in CASTS:
+            raise NotRecognised(f"{n.name} ({n.target}) comes between the weighted rows and the output")
+    if not summed:
+        raise NotRecognised("its weighted rows are not summed over each token's choices")
 
 
 # ---- looped: a ModuleList of expert modules ------------------------------------------------------
@@ -342,6 +520,31 @@ def _only_user(node, target, why):
     return u, (u.args[1] if u.args[0] is node else u.args[0])
 
 
+# ---- the router ---------------------------------------------------------------------------------
+
+def _router_dims(info, r: ExpertRegion) -> tuple:
+    """Leaf tuples of the router's experts dim: the dim of size E along which the top-k that
+    routes ``r`` chooses (found back from the region's routing inputs, within its MoE layer)."""
+    layer = r.module.rsplit(".", 1)[0]
+    inside = lambda n: any(p == layer or p.startswith(layer + ".") for p in _paths(n))  # noqa: E731
+    todo = [r.top_k_index] if r.top_k_index is not None else list(r.weights)
+    seen, out = set(), []
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or not inside(n):
+            continue
+        seen.add(n)
+        if n.target == aten.topk.default:
+            src = _tensor(n.args[0])
+            d = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", -1)) % src.dim()
+            lv = info.leaves(info.of(n.args[0])[d])
+            if src.shape[d] == r.num_experts and lv and lv not in out:
+                out.append(lv)
+            continue
+        todo.extend(n.all_input_nodes)
+    return tuple(out)
+
+
 # ---- placements ---------------------------------------------------------------------------------
 
 def experts_axis(region: ExpertRegion, layout, mesh) -> Optional[str]:
@@ -367,6 +570,33 @@ def owned_placements(regions, places: dict, layout, mesh) -> dict:
     return out
 
 
+def stacked_placements(regions, places: dict) -> dict:
+    """{placeholder name: placement} of every stacked expert parameter (grouped and batched
+    forms): the layout's placement (its experts dim split on the experts' axis), fixed before
+    :func:`regional_layout` keeps the experts dim whole everywhere else."""
+    return {p.name: places[p.name] for r in regions if r.form in TOPK_FORMS for p in r.params}
+
+
+def regional_layout(regions, layout, mesh):
+    """``layout`` with the units of the experts dims on their axes marked regional
+    (``Layout.regional``): only the MoE regions' own parameters are split along them (their
+    placements fixed by :func:`stacked_placements` / :func:`owned_placements`). Everything
+    else that carries an experts dim, the router's scores above all (named ``experts`` too when
+    the router's weight is, ``"*.mlp.gate.weight": "experts hidden"``), keeps it whole on that
+    axis: each rank scores every expert for its own tokens, which may be split on the same axis.
+    """
+    regional = {}
+    for r in regions:
+        ep = experts_axis(r, layout, mesh)
+        if ep is None:
+            continue
+        for lv in (tuple(r.experts_atoms), *r.router_dims):
+            regional.setdefault(ep, set()).update(u for u in layout.units[ep] if lv[:len(u)] == u)
+    if not regional:
+        return layout
+    return replace(layout, regional={a: frozenset(u) for a, u in regional.items()})
+
+
 def region_nodes(regions) -> dict:
     """{node: region} for every node a region replaces."""
     return {n: r for r in regions for n in r.nodes}
@@ -386,6 +616,7 @@ class RegionPlan:
     local_experts: int
     row_bytes: int  # bytes of one token row
     tags: dict = field(default_factory=dict)  # "route" | "dispatch" | "combine" | "capacity" -> tag
+    # ("tokens": the tags of the gathers of the layer's output where only the layer split its tokens)
 
 
 def lowerings(regions, plans: list) -> dict:
@@ -402,7 +633,7 @@ def lowerings(regions, plans: list) -> dict:
 
 
 def _pairs_per_token(r: ExpertRegion) -> int:
-    if r.form == "grouped":
+    if r.form in TOPK_FORMS:
         return r.top_k
     for n in _closure([r.weights[0]], {m for m in r.weights[0].graph.nodes}, forward=False):
         if n.target == aten.topk.default:
@@ -449,7 +680,7 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
     x = rw.convert(r.hidden, 0, tok, set(), r.output, why_tokens)
     cap = r.capacity_factor
     t_cap = new_tag("capacity") if cap is not None and token_axes else None
-    if r.form == "grouped":
+    if r.form in TOPK_FORMS:
         idx = rw.convert(r.top_k_index, 0, tok, set(), r.output, why_tokens)
         weights = rw.convert(r.top_k_weights, 0, tok, set(), r.output, why_tokens)
         pairs = call(X.assign_topk, idx, r.num_experts, cap, token_axes, t_cap)
@@ -463,11 +694,15 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
     route = call(X.exchange_counts, pairs, ep, t_route)
     t_dispatch = new_tag("dispatch")
     mine = call(X.dispatch_rows, rows, route, t_dispatch, val=meta((plan.pairs, h), hv))
-    if r.form == "grouped":
-        env = {r.rows: mine, r.offsets: call(X.expert_offsets, route, _tensor(r.offsets).dtype,
-                                              val=meta((El,), _tensor(r.offsets)))}
+    if r.form in TOPK_FORMS:
+        env = {r.rows: mine}
+        if r.offsets is not None:
+            env[r.offsets] = call(X.expert_offsets, route, _tensor(r.offsets).dtype, val=meta((El,), _tensor(r.offsets)))
+        if r.expert_ids is not None:
+            env[r.expert_ids] = call(X.expert_ids, route, _tensor(r.expert_ids).dtype,
+                                     val=meta((plan.pairs,), _tensor(r.expert_ids)))
         for p in r.params:
-            target = rw.desired(p)
+            target = rw.fixed.get(p.name) or rw.desired(p)
             varying = {a for a, o in zip(axes, target) if a in token_axes and not isinstance(o, Shard)}
             env[p] = rw.convert(p, 0, target, varying, r.output, why_tokens)
         out_rows = _copy_body(rw, r, r.body, env, plan.pairs, El)
@@ -485,8 +720,10 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
     t_combine = new_tag("combine")
     back = call(X.combine_rows, out_rows, route, t_combine, val=meta((plan.pairs, h), hv))
     out_val = meta((Tl,) + tuple(_tensor(r.output).shape[1:]), _tensor(r.output))
-    if r.form == "grouped":
+    if r.form in TOPK_FORMS:
         out = call(X.combine_topk, back, pairs, weights, val=out_val)
+        if _tensor(r.body_out).dtype != out_val.dtype:  # the module casts its sum (HF: to the input's dtype)
+            out = call(aten._to_copy.default, out, dtype=out_val.dtype, val=out_val)
     else:
         if r.init is None:
             init = call(aten.zeros_like.default, x, val=out_val)
@@ -497,6 +734,19 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
         out = call(X.combine_dense, back, pairs, weights, init, val=out_val)
     rw.local[r.output] = out
     rw.place[r.output] = [tok]
+    sliced = [a for a, o in zip(axes, hidden_place) if a in token_axes and not (isinstance(o, Shard) and o.dim == 0)]
+    if sliced:
+        # The batch is whole on these axes (ep on its own axis): each index computed a slice of
+        # the tokens, and the layer returns them as it got them. The gather is the plan's own,
+        # like the dispatch (``plan.unsharded`` does not list it; strict accepts it).
+        first = rw.tag
+        whole = tuple(R if a in sliced else o for o, a in zip(tok, axes))
+        rw.local[r.output] = rw.convert(
+            r.output, 0, whole, set(), r.output,
+            f"MoE layer '{r.module}' computed a slice of its tokens on each index of {', '.join(sliced)}, where "
+            f"the batch is whole; it returns them whole")
+        rw.place[r.output] = [whole]
+        plan.tags["tokens"] = tuple(range(first, rw.tag))
     _records(rw, plan)
     return plan
 
@@ -529,7 +779,8 @@ def _copy_body(rw, r, body, env, rows: int, local_experts: int):
     row_nodes = set()
     for n in body:
         new = rw.g.node_copy(n, lambda a: env[a])
-        is_row = r.form == "looped" or any(a is r.rows or a in row_nodes for a in n.all_input_nodes)
+        is_row = r.form == "looped" or any(a is r.rows or a is r.expert_ids or a in row_nodes
+                                           for a in n.all_input_nodes)
         if is_row:
             row_nodes.add(n)
         new.meta = dict(n.meta)

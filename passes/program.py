@@ -26,7 +26,7 @@ from .inplace_sums import IN_PLACE, consume_sum_inputs
 from .output_sums import LAZY, defer_output_sums
 from .overlap_linear import OVERLAP, overlap_linear_sums
 from .param_sums import LATER, sum_param_grads_later
-from .experts import find_expert_regions, lowerings, owned_placements
+from .experts import find_expert_regions, lowerings, owned_placements, regional_layout, stacked_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
 from .units import group_units
 
@@ -75,11 +75,16 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     # Context-parallel attention when the caller asks for it (autoshard() and the layout search
     # always do, cost.context.ContextSearch; context=None keeps SDPA over a split sequence gathered).
     ctx = cp.plan_context(graph, info, resolved, mesh, context) if context is not None else cp.ContextPlan()
-    owned = owned_placements(regions, input_placements(graph, info, resolved, mesh), resolved, mesh)
+    laid_out = input_placements(graph, info, resolved, mesh)
+    owned = owned_placements(regions, laid_out, resolved, mesh)
+    # experts dims split only in the MoE regions' parameters (the router's stay whole)
+    stacked = stacked_placements(regions, laid_out)
+    resolved = regional_layout(regions, resolved, mesh)
     if ctx:
-        owned = {**owned, **cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh, owned), info,
-                                            resolved, mesh)}
-    places = input_placements(graph, info, resolved, mesh, owned)
+        owned = {**owned, **cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh,
+                                                                         {**owned, **stacked}), info, resolved, mesh)}
+    fixed = {**owned, **stacked}
+    places = input_placements(graph, info, resolved, mesh, fixed)
     axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
     if zero_stage and not axes:
         raise LayoutError(f"zero_stage={zero_stage} shards training state over the data-parallel axis, but no mesh "
@@ -94,7 +99,7 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
         program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
                           bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
                           regions={**vp.lowerings(graph), **lowerings(regions, moe), **cp.lowerings(ctx)},
-                          fixed=owned, region_axis=axes[0] if (train and storage and not bucket_axis) else None,
+                          fixed=fixed, region_axis=axes[0] if (train and storage and not bucket_axis) else None,
                           user_inputs={i.name for i in inputs if i.kind == "user"}, data_axes=axes)
     program.experts = moe
     program.context = ctx

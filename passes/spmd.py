@@ -75,6 +75,11 @@ class Collective:
     params: tuple = ()  # parameters a grouped collective carries (ZeRO-3 units, gradient buckets)
 
 
+# The name of a Mixture-of-Experts layer's experts dim (passes/experts.py names it when the user
+# did not): outside such a layer it is an ordinary dim, which errors about it say.
+EXPERTS = "experts"
+
+
 @dataclass
 class Layout:
     """Resolved layout: for each mesh axis, the atom prefixes (units) it splits."""
@@ -89,6 +94,10 @@ class Layout:
     # on the first (its query rows); under zigzag, a block of that dim holds chunks i and 2R-1-i,
     # so gathers and slices of it reorder (runtime.ring_attention.zigzag_permute).
     orders: dict = field(default_factory=dict)
+    # Mixtures of experts (passes/experts.py): axis -> units of experts dims that only the MoE
+    # regions' own parameters are split along (their placements are fixed by that pass); every
+    # other value keeps such a dim whole on the axis (the router scores every expert per token).
+    regional: dict = field(default_factory=dict)
 
 
 def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
@@ -253,8 +262,9 @@ class _Rewriter:
         memo = self.unit_memo
         if key in memo:  # asked for every dim of every value, per axis: memoized by its leaves
             return memo[key]
+        regional = () if soft else self.layout.regional.get(axis, ())
         memo[key] = next((u for u in (self.layout.soft.get(axis, ()) if soft else self.layout.units[axis])
-                          if lv[: len(u)] == u), None)
+                          if lv[: len(u)] == u and u not in regional), None)
         return memo[key]
 
     def desired(self, node: fx.Node, out: int = 0) -> tuple:
@@ -267,10 +277,14 @@ class _Rewriter:
                 hits = hits[:1]  # the sequence twice (query rows x key columns): rows follow queries
             if len(hits) > 1:
                 names = [self.info.dim_name(dims[d]) for d in hits]
+                hint = "shard one of them on another axis or not at all"
+                if EXPERTS in names:  # README's EP layouts put the batch and the experts on one axis
+                    hint += (" (experts share an axis with the tokens only in a Mixture-of-Experts layer autoshard "
+                             "recognises, passes/experts.py; a MoEWarning names a layer it could not)")
                 raise LayoutError(
                     f"mesh axis {a!r} would shard two dims of one tensor, {names[0]!r} (dim {hits[0]}) and "
                     f"{names[1]!r} (dim {hits[1]}), at {self.where(node)}: only diagonal blocks of it would exist; "
-                    f"shard one of them on another axis or not at all")
+                    f"{hint}")
             if not hits and self.layout.soft.get(a):  # a soft entry where the axis is free
                 d = soft_dim(self.info, node, out, self.layout, a, self.rg)
                 hits = [] if d is None else [d]

@@ -1,8 +1,10 @@
 """Expert parallelism: MoE layers with dispatch / combine all-to-alls, against the unsharded model.
 
 The project's MoE example in both shapes (stacked experts with grouped matmuls; a ModuleList of
-expert MLPs) and Hugging Face's Mixtral and OLMoE built tiny from their configs; skewed routing,
-an expert nobody chooses, the capacity policy against an independent reference, training steps.
+expert MLPs) and Hugging Face's Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE built tiny from their
+configs, under each experts implementation torch.export captures and with the experts dim
+inferred or named by the user (router included); skewed routing, an expert nobody chooses, the
+capacity policy against an independent reference, training steps.
 """
 import collections
 import copy
@@ -22,7 +24,7 @@ from autoshard.runtime import experts as X
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from examples.models import moe_tiny  # noqa: E402
-from exactness import assert_exact, assert_training_within_spread  # noqa: E402
+from exactness import assert_exact, assert_training_within_spread, reference, reference_train  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -307,3 +309,174 @@ def test_hugging_face_moe_trains_exactly_on_dp2_x_ep2(name, layout):
     model, args = _hf(name)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=HF_DIMS, layout=layout, train=True)
     _train_exactly(plan, model, args)
+
+
+# --------------------------------------------------------------------------- every implementation, both namings
+
+def _hf_impl(name, impl):
+    """A tiny Hugging Face MoE with ``experts_implementation=impl`` (routing as :func:`_hf`)."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, use_cache=False, experts_implementation=impl)
+    torch.manual_seed(0)
+    config, cls = {
+        "mixtral": (lambda: transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+                    transformers.MixtralForCausalLM),
+        "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=16, shared_expert_intermediate_size=32),
+                      transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=16), transformers.Qwen3MoeForCausalLM),
+        "olmoe": (lambda: transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
+                  transformers.OlmoeForCausalLM),
+        # per-expert biases, selected per row like the weights
+        "gpt_oss": (lambda: transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=4,
+                                                      layer_types=["full_attention"] * 2),
+                    transformers.GptOssForCausalLM),
+    }[name]
+    model = cls(config())
+    assert model.config._experts_implementation == impl
+    return _Loss(model.eval()), (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
+
+
+def _namings():
+    """The experts dim inferred (named ``experts`` by the pass), or named by the user on the stacked
+    weights and on the router's weight as ``tests/hf_zoo.py`` does (``"*.mlp.gate.weight": "experts hidden"``)."""
+    from hf_zoo import EXPERTS_DIMS
+    return {"inferred": HF_DIMS, "named": {**HF_DIMS, **EXPERTS_DIMS}}
+
+
+def _reference64(model, args):
+    """The unsharded loss and gradients in float64: the yardstick of float32 rounding."""
+    m = copy.deepcopy(model).double()
+    m.zero_grad()
+    loss = m(*args)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+
+def _assert_exact64(plan, model, args):
+    """Loss and every gradient equal the unsharded model: each within 1e-5 of one device's float32
+    result or, where a sum in another order (over ranks, over an expert's rows) lands further, at
+    most 10x as far from the float64 result as one device's float32 result is
+    (``test_property.close``): a bound set by the model's own rounding, on any CPU."""
+    from test_property import close
+    ref_out, ref_grads = reference(model, args)
+    f64 = []
+
+    def exact(name=None):
+        def get():
+            if not f64:
+                f64.append(_reference64(model, args))
+            return f64[0][0] if name is None else f64[0][1][name]
+        return get
+
+    close(plan.simulate(*args), ref_out, "simulate", exact())
+    out, grads = plan.simulate_grads(*args)
+    close(out, ref_out, "simulate_grads", exact())
+    assert set(ref_grads) <= set(grads)
+    for name, g in ref_grads.items():
+        close(grads[name], g, f"grad of {name}", exact(name))
+
+
+IMPLS = ["grouped_mm", "batched_mm"]  # "eager" loops over the experts hit: torch.export refuses it (test_hf_models)
+
+
+@pytest.mark.parametrize("naming", ["inferred", "named"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,mesh,layout", [
+    ("mixtral", {"ep": 2}, EP2), ("olmoe", {"dp": 2, "ep": 2}, OWN), ("qwen2_moe", {"dp": 2, "ep": 2}, DATA),
+    ("qwen3_moe", {"ep": 2, "tp": 2}, EPTP),
+], ids=["mixtral-ep2", "olmoe-dp2xep2-own", "qwen2_moe-dp2xep2-data", "qwen3_moe-ep2xtp2"])
+def test_every_implementation_and_naming_plans_readme_layout_strictly_and_exactly(name, mesh, layout, impl, naming):
+    """README's EP layouts under both implementations torch.export captures and both ways of
+    naming the experts dim: strict (nothing the layout splits is gathered), one MoE region per
+    layer with the experts dim called ``experts``, the region's all-to-alls and nothing else on
+    ep, expert weights split on ep and the router whole there (it scores every expert for this
+    rank's tokens), exact."""
+    model, args = _hf_impl(name, impl)
+    plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=_namings()[naming], layout=layout, strict=True)
+    form = {"grouped_mm": "grouped", "batched_mm": "batched"}[impl]
+    assert [p.region.form for p in plan.program.experts] == [form, form]
+    assert _moe_all_to_alls(plan) == {(phase, "all_to_all", ("ep",), op): 2 for phase, op in [
+        ("forward", "exchange_counts"), ("forward", "dispatch_rows"), ("forward", "combine_rows"),
+        ("backward", "dispatch_rows"), ("backward", "combine_rows")]}
+    ep = list(mesh).index("ep")
+    for n, _ in model.named_parameters():
+        if ".experts." in n:
+            assert str(plan.placement_of(n)[ep]) == "S(0)", n
+        elif n.endswith("mlp.gate.weight"):
+            assert str(plan.placement_of(n)[ep]) == "R", n
+    experts_reduced = [c for c in plan.collectives if c.kind == "all_reduce" and ".experts" in c.where
+                       and (c.phase == "forward" or c.axes == ("ep",))]
+    assert not experts_reduced, [(c.phase, c.axes, c.where, c.why) for c in experts_reduced]
+    _assert_exact64(plan, model, args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_biases_are_selected_per_row_on_the_experts_ranks(impl):
+    """GPT-OSS's experts add per-expert biases, selected per row by the rows' expert ids (sorted
+    ids in grouped_mm, the flattened top_k_index in batched_mm): on ep each rank selects from its
+    own experts' biases with the rows' local ids. Router (weight and bias) named ``experts``."""
+    model, args = _hf_impl("gpt_oss", impl)
+    dims = {**HF_DIMS, "*.mlp.router.weight": "experts hidden", "*.mlp.router.bias": "experts"}
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=dims, layout=DATA, strict=True)
+    assert [p.region.form for p in plan.program.experts] == [impl.split("_")[0]] * 2
+    biases = [n for n, _ in model.named_parameters() if n.endswith("_bias") and ".experts." in n]
+    assert len(biases) == 4 and all(str(plan.placement_of(n)[1]) == "S(0)" for n in biases)
+    assert all(str(plan.placement_of(n)[1]) == "R" for n, _ in model.named_parameters() if ".router." in n)
+    _assert_exact64(plan, model, args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batched_and_grouped_mm_train_exactly_with_the_router_named_experts(impl):
+    """3 AdamW steps of Mixtral on dp=2 x ep=2 (ep on the data axis), the router's weight named
+    ``experts hidden``: losses and every parameter equal single-device training, within 10x the
+    float32-vs-float64 spread of that training (AdamW divides by sqrt(v) and magnifies rounding
+    of near-zero gradients, so the bound comes from the run itself)."""
+    from test_property import close
+    model, args = _hf_impl("mixtral", impl)
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=_namings()["named"], layout=DATA,
+                               train=True, strict=True)
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    ref_losses, ref_params = reference_train(model, [args] * 3, make)
+    f64 = []
+
+    def exact(name=None):
+        def get():
+            if not f64:
+                f64.append(reference_train(copy.deepcopy(model).double(), [args] * 3, make))
+            return torch.tensor(f64[0][0], dtype=torch.float64) if name is None else f64[0][1][name]
+        return get
+
+    losses, params = plan.simulate_train([args] * 3, optimizer=make)
+    close(torch.tensor(losses), torch.tensor(ref_losses), "losses", exact())
+    for name, p in ref_params.items():
+        close(params[name], p, name, exact(name))
+
+
+class _DenseMixture(torch.nn.Module):
+    """Every expert on every token, weighted by the router's softmax: no per-token selection of
+    experts, so not an MoE layer of passes/experts.py (its experts dim is an ordinary dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        probs = self.gate(x).softmax(-1)                      # [tokens, experts]
+        y = torch.einsum("th,eoh->teo", x, self.w)            # [tokens, experts, out]
+        return (y * probs[..., None]).sum(1).square().sum()
+
+
+def test_experts_and_batch_on_one_axis_outside_an_moe_layer_is_refused_with_readmes_reason():
+    """README's EP layout puts the batch and the experts on one axis; where no MoE layer is
+    recognised that cannot work, and the error says so instead of only 'shard one of them on
+    another axis'."""
+    torch.manual_seed(0)
+    with pytest.raises(autoshard.LayoutError, match=r"would shard two dims of one tensor.*'experts'.*experts share "
+                                                    r"an axis with the tokens only in a Mixture-of-Experts layer"):
+        autoshard.autoshard(_DenseMixture(), (torch.randn(6, 8),), mesh=Mesh({"ep": 2}),
+                            dims={"x": "batch hidden", "gate.weight": "experts hidden", "w": "experts out hidden"},
+                            layout={"batch": "ep", "experts": "ep"})

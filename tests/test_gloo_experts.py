@@ -1,7 +1,8 @@
-"""Expert parallelism on real processes: the MoE example on dp=2 x ep=2 (ep on the data axis)
-trained on 4 gloo processes equals the simulated mesh bit for bit (losses, trained parameters,
-and the collectives each rank ran, the variable-split all-to-alls included), and an exported EP
-plan runs under torchrun with ``run.py --check``."""
+"""Expert parallelism on real processes: the MoE example and Hugging Face's Mixtral with
+``experts_implementation="batched_mm"`` (its router's weight named ``experts hidden``) on
+dp=2 x ep=2 (ep on the data axis) trained on 4 gloo processes equal the simulated mesh bit for
+bit (losses, trained parameters, and the collectives each rank ran, the variable-split
+all-to-alls included), and an exported EP plan runs under torchrun with ``run.py --check``."""
 import os
 import subprocess
 import sys
@@ -26,7 +27,12 @@ LAYOUT = {"batch": ("dp", "ep"), "experts": "ep"}
 
 
 def make_plan(experts="grouped"):
-    model, args, dims = moe_tiny(experts=experts, with_labels=True)
+    if experts == "batched_mm":  # Hugging Face Mixtral, the router named as tests/hf_zoo.py names it
+        from hf_zoo import EXPERTS_DIMS
+        from test_experts import HF_DIMS, _hf_impl
+        (model, args), dims = _hf_impl("mixtral", "batched_mm"), {**HF_DIMS, **EXPERTS_DIMS}
+    else:
+        model, args, dims = moe_tiny(experts=experts, with_labels=True)
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "ep": 2}), dims=dims, layout=LAYOUT,
                                train=True)
     return plan, args
@@ -36,8 +42,8 @@ def make_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def train_worker(rank, world_size):
-    plan, args = make_plan()
+def train_worker(rank, world_size, experts="grouped"):
+    plan, args = make_plan(experts)
     with rank_context(plan.mesh, rank, DistributedBackend(plan.mesh)) as ctx:
         local = plan.build(rank)
         opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
@@ -45,9 +51,10 @@ def train_worker(rank, world_size):
     return losses, local.full_parameters(), [(r.kind, r.axis, r.phase, r.tag, r.op) for r in ctx.trace]
 
 
-def test_dp2_x_ep2_training_on_gloo_equals_simulation_bit_for_bit():
-    results = spawn(train_worker, 4, timeout=240)
-    plan, args = make_plan()
+@pytest.mark.parametrize("experts", ["grouped", "batched_mm"])
+def test_dp2_x_ep2_training_on_gloo_equals_simulation_bit_for_bit(experts):
+    results = spawn(train_worker, 4, experts, timeout=240)
+    plan, args = make_plan(experts)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each gloo process runs: CPU kernels then sum in the same order
     try:

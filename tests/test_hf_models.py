@@ -285,3 +285,17 @@ def test_t5_shifting_its_labels_with_the_decoder_sequence_split(built):
                                    dims={**ARCHS["t5"].all_dims, "labels": "batch tseq"},
                                    layout={"batch": "dp", "tseq": "tp"})
     assert_exact(plan, kwargs, loss, logits, grads)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+def test_expert_parallel_plans_of_the_moe_models_are_strict_and_exact(name, built):
+    """README's EP layout (batch on dp and ep, experts on ep) on the MoE models as the zoo builds
+    and names them (``batched_mm`` experts, the router's weight named ``experts hidden``): every
+    MoE layer recognised, strict, exact, the routers whole on ep and the experts split there."""
+    model, kwargs, loss, logits, grads = built(name)
+    plan = plan_for(name, model, kwargs, {"batch": ("dp", "ep"), "experts": "ep"}, {"dp": 2, "ep": 2})
+    assert [p.region.form for p in plan.program.experts] == ["batched"] * hf_zoo.LAYERS
+    for n, _ in model.named_parameters():
+        if n.endswith("mlp.gate.weight") or ".experts." in n:
+            assert str(plan.placement_of(n)[1]) == ("R" if n.endswith("gate.weight") else "S(0)"), n
+    assert_exact(plan, kwargs, loss, logits, grads)

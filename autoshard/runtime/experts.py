@@ -279,6 +279,19 @@ def expert_offsets(route: Route, dtype: torch.dtype = torch.int64, device=None) 
     return torch.tensor(route.expert_counts, dtype=dtype, device=device).cumsum(0).to(dtype)
 
 
+def expert_ids(route: Route, dtype: torch.dtype = torch.int64, device=None) -> torch.Tensor:
+    """The local expert of each row after dispatch (rows arrive grouped by local expert): a
+    batched-matmul MoE selects each row's expert weights with them (``w[expert_ids]``).
+
+    Example::
+
+        >>> expert_ids(Route(None, [3], [3], [2, 0, 1], None, None, 0)).tolist()
+        [0, 0, 2]
+    """
+    counts = torch.tensor(route.expert_counts, dtype=torch.int64, device=device)
+    return torch.repeat_interleave(torch.arange(counts.shape[0], device=device), counts).to(dtype)
+
+
 def expert_segments(rows: torch.Tensor, route: Route) -> tuple:
     """The rows of each local expert (a looped MoE runs each expert on its own rows)."""
     return torch.split(rows, route.expert_counts, 0)
