@@ -50,6 +50,7 @@ from autoshard.cost.units import choose_units
 from autoshard.cost.idle import IdleAxisWarning, idle_axes
 from autoshard.cost.search import plan_search
 from autoshard.cost.pipeline_search import choose_pipeline
+from autoshard.passes.manager import check_disabled
 from autoshard.passes.program import build_program
 from autoshard.passes.units import check_policy
 
@@ -59,7 +60,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
               verbose: bool = False, captured=None, precision=None, checkpoint: Optional[bool] = None,
-              context: Optional[dict] = None, strict: bool = False) -> Plan:
+              context: Optional[dict] = None, strict: bool = False, disable_passes=()) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
     dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
@@ -110,10 +111,15 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     False forces it; None lets the search turn it on when the plan fits ``memory_limit`` only
     with it (``autoshard.cost.checkpoint``).
 
+    ``disable_passes``: names of program passes (``autoshard.passes.manager.PROGRAM_PASSES``:
+    ``"early_sums"``, ``"overlap_linear"``, ...) not to run on the rewritten program;
+    ``plan.passes`` records what each pass did.
+
     ``strict=True``: refuse (``LayoutError``) a plan that gathers in forward a value the layout
     shards (an op without a rule, or one that needs the dim whole; ``plan.unsharded`` lists them,
     ``print(plan)`` shows them in any case)."""
     check_zero_stage(zero_stage)
+    disable_passes = check_disabled(disable_passes)
     check_layout(layout)
     check_dims(dims)
     if (zero_stage or reshard_after_forward is not None) and not train:
@@ -223,7 +229,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
                                  reshard=True if reshard_after_forward is None else reshard_after_forward,
                                  bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
-                                 context=context_options, early_sums=pipe is None)
+                                 context=context_options, program_passes=pipe is None,
+                                 disable_passes=disable_passes)
 
         context_options = dict(context or {})
         if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses

@@ -86,6 +86,17 @@ class Plan:
         return out
 
     @property
+    def passes(self) -> list:
+        """What each program pass did (``autoshard.passes.manager``): records with ``.name``,
+        ``.ran``, ``.collectives`` (marked) and ``.nodes`` (of the program rewritten).
+
+        Example::
+
+            [(p.name, p.collectives) for p in plan.passes if p.ran]   # [('early_sums', 1), ...]
+        """
+        return list(getattr(self.program, "passes", []))
+
+    @property
     def collectives(self) -> list:
         return list(self.program.collectives)
 

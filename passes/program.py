@@ -21,11 +21,7 @@ from autoshard.runtime.buckets import assign_buckets
 
 from . import context as cp
 from . import vocab_parallel as vp
-from .early_sums import EARLY, start_sums_early
-from .inplace_sums import IN_PLACE, consume_sum_inputs
-from .output_sums import LAZY, defer_output_sums
-from .overlap_linear import OVERLAP, overlap_linear_sums
-from .param_sums import LATER, sum_param_grads_later
+from .manager import PassContext, run_program_passes
 from .experts import find_expert_regions, lowerings, owned_placements, regional_layout, stacked_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
 from .units import group_units
@@ -55,20 +51,19 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
 
 
 def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
-                  bucket_mb: float, display: dict, units="block", context=None, early_sums: bool = False):
+                  bucket_mb: float, display: dict, units="block", context=None, program_passes: bool = False,
+                  disable_passes=()):
     """The per-rank program of a resolved layout with a state-sharding level: the data axes
     (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
     sharding and gradient buckets that the forward program does not show; ZeRO-3 gathers are
     grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`); attention over a split
     sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
     ``context``); a cross-entropy over logits split by class on one axis is computed there
-    (:mod:`autoshard.passes.vocab_parallel`). ``early_sums``: start forward sums without a gradient as soon as their inputs
-    exist (:mod:`autoshard.passes.early_sums`), return those only outputs read before they
-    arrive (:mod:`autoshard.passes.output_sums`) and run the input-gradient sums of
-    column-parallel linears under their weight gradients (:mod:`autoshard.passes.overlap_linear`),
-    write forward sums into inputs nothing else reads (:mod:`autoshard.passes.inplace_sums`) and
-    add the gradient sums of parameters read nowhere else into ``.grad`` after backward
-    (:mod:`autoshard.passes.param_sums`); not for pipeline stages, which the program is cut into by its order. Returns
+    (:mod:`autoshard.passes.vocab_parallel`). ``program_passes``: run the passes of
+    :mod:`autoshard.passes.manager` on the rewritten program (forward sums started early, lazy
+    outputs, overlapped and late gradient sums, sums into their inputs), except those named in
+    ``disable_passes``; not for pipeline stages, which the program is cut into by its order
+    (``program.passes`` records what each pass did). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
     regions = find_expert_regions(graph, info)
@@ -93,9 +88,9 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard, owned) if zero_stage else {}
     bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
     moe: list = []  # one RegionPlan per MoE layer, filled by the rewrite
-    # start_sums_early edits the rewritten graph: rewrite lazily then, so the Python code is
+    # the program passes edit the rewritten graph: rewrite lazily then, so the Python code is
     # generated once, for the final graph (on first use, or when a Plan is made), not twice.
-    with lazy_programs() if early_sums else contextlib.nullcontext():
+    with lazy_programs() if program_passes else contextlib.nullcontext():
         program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
                           bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
                           regions={**vp.lowerings(graph), **lowerings(regions, moe), **cp.lowerings(ctx)},
@@ -108,21 +103,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)
     program.collectives += bucket_collectives(program, bucket_axis, params, display,
                                               int(bucket_mb * 2 ** 20) if bucket_axis else 0, mesh)
-    early = start_sums_early(program.graph_module.graph) if early_sums else []
-    lazy = defer_output_sums(program.graph_module.graph) if early_sums else []
-    overlapped = overlap_linear_sums(program.graph_module.graph) if early_sums else []
-    in_place = consume_sum_inputs(program.graph_module.graph) if early_sums else []
-    # after the fusion above, which reads mark_varyings of activations, never of parameters
-    later = sum_param_grads_later(program.graph_module.graph, grad_inputs, skip=program.bucketed) \
-        if early_sums and train else []
-    if early or lazy or overlapped or in_place or later:
-        program.graph_module.recompile()
-        for c in program.collectives:
-            if c.phase == "forward":
-                c.why += ((EARLY if c.tag in early else "") + (LAZY if c.tag in lazy else "")
-                          + (IN_PLACE if c.tag in in_place else ""))
-            elif c.phase == "backward" and c.op in ("mark_varying", "all_gather_varying"):
-                c.why += (OVERLAP if c.tag in overlapped else "") + (LATER if c.tag in later else "")
+    program.passes = run_program_passes(program, PassContext(frozenset(grad_inputs), train), disable_passes,
+                                        "" if program_passes else "off for pipeline stages and search candidates")
     return program, axes
 
 

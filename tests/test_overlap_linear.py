@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
-from autoshard.passes import program as program_pass  # noqa: E402
 from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums  # noqa: E402
 from autoshard.runtime import collectives as C  # noqa: E402
 from autoshard.runtime import mark_varying, run_simulated  # noqa: E402
@@ -223,18 +222,14 @@ TP_DIMS = {"tokens": "batch seq", "labels": "batch seq", "tok.weight": "vocab hi
 SP = {"heads": "tp", "ffn": "tp", "vocab": "tp", "seq": "tp?"}
 
 
-def _transformer_plan(fuse=True, monkeypatch=None, layout=None, **options):
+def _transformer_plan(fuse=True, layout=None, **options):
     torch.manual_seed(0)
     model = _Transformer()
     g = torch.Generator().manual_seed(1)
     args = (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
-    if not fuse:
-        monkeypatch.setattr(program_pass, "overlap_linear_sums", lambda graph: [])
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=TP_DIMS,
                                layout=layout or {"heads": "tp", "ffn": "tp", "vocab": "tp"}, train=True,
-                               search=False, **options)
-    if not fuse:
-        monkeypatch.undo()
+                               search=False, **{"disable_passes": () if fuse else ("overlap_linear",), **options})
     return plan, args
 
 
@@ -244,7 +239,7 @@ def _fused_nodes(plan):
 
 def test_pass_fuses_every_column_parallel_input_of_a_tp_transformer(monkeypatch):
     plan, _ = _transformer_plan()
-    unfused, _ = _transformer_plan(fuse=False, monkeypatch=monkeypatch)
+    unfused, _ = _transformer_plan(fuse=False)
     # per block the q/k/v input (three linears) and the MLP input (one, with bias); the head's input
     assert [len(n.args[2]) for n in _fused_nodes(plan)] == [3, 1, 3, 1, 1]
     assert not [n for n in plan.graph_module.graph.nodes if n.target is C.mark_varying]
@@ -260,7 +255,7 @@ def test_pass_fuses_every_column_parallel_input_of_a_tp_transformer(monkeypatch)
 
 def test_pass_fuses_the_gathers_of_a_sequence_parallel_transformer(monkeypatch):
     plan, _ = _transformer_plan(layout=SP)
-    unfused, _ = _transformer_plan(fuse=False, monkeypatch=monkeypatch, layout=SP)
+    unfused, _ = _transformer_plan(fuse=False, layout=SP)
     gathers = [n for n in unfused.graph_module.graph.nodes if n.target is C.all_gather_varying]
     # per block the q/k/v rows (three linears) and the MLP rows (one, with bias); the head's rows
     assert [(len(n.args[2]), n.kwargs.get("gather_dim")) for n in _fused_nodes(plan)] == [(3, 1), (1, 1)] * 2 + [(1, 1)]
@@ -274,7 +269,7 @@ def test_pass_fuses_the_gathers_of_a_sequence_parallel_transformer(monkeypatch):
 @pytest.mark.parametrize("options", [{}, {"checkpoint": True}, {"layout": SP}])
 def test_fused_plan_equals_unfused_bitwise(monkeypatch, options):
     plan, args = _transformer_plan(**options)
-    unfused, _ = _transformer_plan(fuse=False, monkeypatch=monkeypatch, **options)
+    unfused, _ = _transformer_plan(fuse=False, **options)
     assert _fused_nodes(plan)
     out, grads = plan.simulate_grads(*args)
     ref_out, ref_grads = unfused.simulate_grads(*args)
@@ -285,12 +280,11 @@ def test_fused_plan_equals_unfused_bitwise(monkeypatch, options):
     assert trace == [[(r.kind, r.tag, r.phase, r.bytes) for r in t] for t in unfused.last_trace]
 
 
-def test_llama_query_key_value_fused_though_not_adjacent(monkeypatch):
+def test_llama_query_key_value_fused_though_not_adjacent():
     model, args, dims = llama_tiny(with_labels=True)
     opts = dict(mesh=autoshard.Mesh({"tp": 2}), dims=dims, layout={"heads": "tp", "ffn": "tp"}, train=True)
     plan = autoshard.autoshard(model, args, **opts)
-    monkeypatch.setattr(program_pass, "overlap_linear_sums", lambda graph: [])
-    unfused = autoshard.autoshard(model, args, **opts)
+    unfused = autoshard.autoshard(model, args, **opts, disable_passes=("overlap_linear",))
     assert [len(n.args[2]) for n in _fused_nodes(plan)][:2] == [3, 2]  # q, k, v; gate, up
     out, grads = plan.simulate_grads(*args)
     ref_out, ref_grads = unfused.simulate_grads(*args)

@@ -17,7 +17,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autoshard  # noqa: E402
-from autoshard.passes import program as program_pass  # noqa: E402
 from autoshard.passes.param_sums import LATER, sum_param_grads_later  # noqa: E402
 from autoshard.runtime import DistributedBackend, mark_varying, rank_context, run_simulated  # noqa: E402
 from autoshard.runtime import collectives as C  # noqa: E402
@@ -37,15 +36,11 @@ ROW_PARAMS = {"embed_tokens.weight", "norm.weight", "lm_head.weight",
               *(f"layers.{b}.{n}.weight" for b in range(2) for n in ("input_layernorm", "post_attention_layernorm"))}
 
 
-def _sp_plan(mesh, later=True, monkeypatch=None, **options):
+def _sp_plan(mesh, later=True, **options):
     model, args, dims = llama_tiny(with_labels=True)
     layout = dict(SP, **({"batch": "dp"} if "dp" in mesh else {}))
-    if not later:
-        monkeypatch.setattr(program_pass, "sum_param_grads_later", lambda *a, **k: [])
     plan = autoshard.autoshard(copy.deepcopy(model), args, mesh=autoshard.Mesh(mesh), dims=dims, layout=layout,
-                               train=True, **options)
-    if not later:
-        monkeypatch.undo()
+                               train=True, disable_passes=() if later else ("param_sums",), **options)
     return plan, model, args
 
 
@@ -68,15 +63,14 @@ def test_pass_marks_the_parameters_sequence_parallelism_reads_on_token_rows():
     assert "later = True" in plan.graph_module.code
 
 
-def test_pass_leaves_activation_sums_and_bucketed_parameters_alone(monkeypatch):
+def test_pass_leaves_activation_sums_and_bucketed_parameters_alone():
     # plain tensor parallelism: every mark_varying reads an activation (the linears' inputs)
-    monkeypatch.setattr(program_pass, "overlap_linear_sums", lambda graph: [])  # keep them as mark_varyings
     model, args, dims = llama_tiny(with_labels=True)
     tp = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=dims,
-                             layout={"heads": "tp", "ffn": "tp"}, train=True)
+                             layout={"heads": "tp", "ffn": "tp"}, train=True,
+                             disable_passes=("overlap_linear",))  # keep them as mark_varyings
     assert [n for n in tp.graph_module.graph.nodes if n.target is C.mark_varying]
     assert _marked(tp) == {}
-    monkeypatch.undo()
     # dp x tp with gradient buckets: the bucket's hook must see the summed gradient
     bucketed, _, _ = _sp_plan({"dp": 2, "tp": 2})
     assert bucketed.program.bucketed and _marked(bucketed) == {}
@@ -199,7 +193,7 @@ PLANS = {"tp2": ({"tp": 2}, {}), "dp2xtp2": ({"dp": 2, "tp": 2}, {"bucket_mb": 0
 def test_plan_training_equals_synchronous_sums_bitwise(name, monkeypatch):
     mesh, options = PLANS[name]
     plan, model, args = _sp_plan(mesh, **options)
-    sync, _, _ = _sp_plan(mesh, later=False, monkeypatch=monkeypatch, **options)
+    sync, _, _ = _sp_plan(mesh, later=False, **options)
     assert _marked(plan) and not _marked(sync)
     started = []
     add = param_sums.SumsLater.add
