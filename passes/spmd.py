@@ -732,16 +732,22 @@ class _Rewriter:
             passthrough = False
             if partial_in:
                 if ix.joint:
-                    passthrough = all(j in ix.linear for j in partial_in)
-                    # add/sub: every operand must be partial (mixing would add the whole one R times)
-                    passthrough = passthrough and len(partial_in) == len([j for j in ix.linear if j < n_in])
+                    # add/sub: every operand must be partial (mixing would add the whole one R
+                    # times), so a whole operand becomes one on rank 0 (to_partial), where that
+                    # sums no more than the partial ones would: residual + attn + mlp then pays
+                    # one all-reduce for both branches
+                    passthrough = all(j in ix.linear for j in partial_in) and (
+                        len(partial_in) == len([j for j in ix.linear if j < n_in])
+                        or self.joins_pending_sums(node, ix, partial_in, a))
                 else:
                     passthrough = len(partial_in) == 1 and partial_in[0] in ix.linear
                 if is_inplace(node.target) and 0 not in partial_in:
                     passthrough = False  # a whole tensor written in place cannot become a pending sum
             for j in range(n_in):
-                # A bias added to a passed-through pending sum must be added once: Partial too.
-                targets[j][i] = P if (passthrough and (j in partial_in or j in ix.additive)) else R
+                # A bias added to a passed-through pending sum must be added once: Partial too
+                # (and every operand of a jointly linear op).
+                targets[j][i] = P if (passthrough and (j in partial_in or j in ix.additive
+                                                       or (ix.joint and j in ix.linear))) else R
             if passthrough:
                 varying_axes.add(a)
             for k in range(len(ix.outputs)):
@@ -783,6 +789,23 @@ class _Rewriter:
             new = self.rescale_mean(node, new, ix, modes)
         self.local[node] = new
         self.place[node] = places
+
+    def joins_pending_sums(self, node, ix, partial_in, axis) -> bool:
+        """Whether a jointly linear op (add, sub) whose operands ``partial_in`` are pending sums on
+        ``axis`` and whose others are whole should stay a pending sum (the whole operands kept on
+        rank 0): when its only reader is another jointly linear op (which may add a second pending
+        sum to it: ``residual + attn + mlp``), and each pending operand is as large as the result
+        (its later all-reduce moves no more bytes) and read only here (no other reader sums it)."""
+        readers = list(node.users)
+        nxt = self.info.indexing.get(readers[0]) if len(readers) == 1 else None
+        if nxt is None or not nxt.joint:
+            return False
+        numel = math.prod(shape_of(node))
+        for j in partial_in:
+            src = get_path(node, ix.inputs[j][0])
+            if math.prod(shape_of(src)) != numel or list(src.users) != [node]:
+                return False
+        return True
 
     def map_args(self, node, ix, targets, varying_axes, modes):
         converted = {}
