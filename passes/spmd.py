@@ -272,9 +272,11 @@ class _Rewriter:
         place = []
         for a in self.axes:
             hits = [d for d, atoms in enumerate(dims) if atoms and self.unit_of(atoms, a)]
-            if len(hits) > 1 and a in self.layout.orders and all(
-                    self.unit_of(dims[d], a) == self.layout.orders[a][0] for d in hits):
-                hits = hits[:1]  # the sequence twice (query rows x key columns): rows follow queries
+            if len(hits) > 1 and len({self.info.dim_name(dims[d]) for d in hits}) == 1:
+                # One dim twice (query rows x key columns, image x text logits [batch, batch]):
+                # rows are split, the columns whole (each rank's rows against every column, the
+                # other side's embeddings gathered as contrastive training does)
+                hits = hits[:1]
             if len(hits) > 1:
                 names = [self.info.dim_name(dims[d]) for d in hits]
                 hint = "shard one of them on another axis or not at all"
