@@ -216,6 +216,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                                f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
 
         use_checkpoint = bool(search_result.checkpoint if search_result is not None else checkpoint) and train
+        _refuse_stateful(cap, False, use_checkpoint)  # the search may choose recompute too
         t = time.perf_counter()
         resolved = resolve_layout(info, layout, mesh)
         stage = zero_stage or 0

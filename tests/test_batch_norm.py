@@ -128,12 +128,14 @@ def test_train_mode_is_a_synchronized_batch_norm(mesh, layout):
     assert model.bn1.num_batches_tracked.item() == 1
 
 
-@pytest.mark.parametrize("mesh,layout", [({"dp": 2}, DP), ({"dp": 4}, DP), ({"dp": 2, "tp": 2}, DP_TP)],
-                         ids=["dp2", "dp4", "dp2xtp2"])
-def test_training_steps_update_running_statistics_like_single_device(mesh, layout):
+@pytest.mark.parametrize("mesh,layout,zero_stage", [({"dp": 2}, DP, 0), ({"dp": 4}, DP, 0), ({"dp": 2}, DP, 3),
+                                                    ({"dp": 2, "tp": 2}, DP_TP, 0)],
+                         ids=["dp2", "dp4", "dp2-zero3", "dp2xtp2"])
+def test_training_steps_update_running_statistics_like_single_device(mesh, layout, zero_stage):
     model, args = make()
     batches = [make(seed=s)[1] for s in range(3)]
-    plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=DIMS, layout=layout, train=True)
+    plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=DIMS, layout=layout, train=True,
+                               zero_stage=zero_stage)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
 
     def train(dtype):
