@@ -240,3 +240,14 @@ def test_batch_statistics_under_a_pipeline_or_recompute_are_refused():
                             pipeline={"axis": "pp", "microbatches": 2})
     with pytest.raises(autoshard.UnsupportedModelError, match=r"buffer bn1\.\w+ in place .*checkpoint=True"):
         autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=DIMS, layout=DP, train=True, checkpoint=True)
+
+
+def test_an_exported_training_run_checks_against_the_unsharded_model(tmp_path):
+    """run.py's path (weights, program and inputs loaded as it does, ranks as threads): the
+    first step's outputs and gradients and 3 AdamW steps' losses equal the unsharded model's."""
+    from autoshard.passes.export import simulate_export
+    model, args = make()
+    plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=DIMS, layout=DP, train=True)
+    path = plan.export(tmp_path / "cnn", args, reference_steps=3)
+    ranks = simulate_export(path, steps=3, check=True)
+    assert all(r["ok"] for r in ranks), [r["problems"] for r in ranks]
