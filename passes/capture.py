@@ -173,7 +173,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     batch_statistics = [module_of(n) or "<root>" for n in graph.nodes if _batch_statistics(n)]
     mutated = refuse_state_mutation(graph, inputs)  # parameters; buffers get random values
     warn_dropout(graph)
-    functionalize(graph)  # in-place writes -> functional ops (a buffer's last value copied back into it)
+    # in-place writes -> functional ops (a buffer's last value copied back into it)
+    functionalize(graph, {i.name for i in inputs if i.kind == "buffer"})
     decompose(graph)  # BatchNorm in training mode becomes sums and in-place running-stat updates
     _rewrite_reduced_cross_entropy(graph)
     graph.eliminate_dead_code()

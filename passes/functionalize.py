@@ -228,9 +228,10 @@ class _Versions:
         return new
 
 
-def functionalize(graph: fx.Graph) -> int:
+def functionalize(graph: fx.Graph, state=()) -> int:
     """Rewrite every in-place write that has a functional op and invertible views into
-    functional ops (see the module docstring); returns how many."""
+    functional ops (see the module docstring); returns how many. ``state``: names of the
+    placeholders that outlive the program (buffers), whose last value is copied back."""
     if not any(n.op == "call_function" and is_inplace(n.target) for n in graph.nodes):
         return 0
     s = _Versions(graph)
@@ -261,7 +262,7 @@ def functionalize(graph: fx.Graph) -> int:
     # value is copied back into it at the end, the one write that stays in place
     out = next(n for n in graph.nodes if n.op == "output")
     for root, new in s.cur.items():
-        if root.op == "placeholder" and new is not root:
+        if root.op == "placeholder" and root.name in state and new is not root:
             Builder(graph, out)(aten.copy_.default, root, new)
     if done:
         graph.eliminate_dead_code()
