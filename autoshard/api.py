@@ -37,6 +37,7 @@ from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatch
                             first_microbatch, pipeline_options)
 from .plan import Plan
 from autoshard.passes.capture import capture
+from autoshard.passes.guards import UnsupportedModelError
 from autoshard.passes.checkpoint import block_name, block_regions
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
@@ -161,6 +162,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         tag_origins(cap.graph)  # so stage boundaries can name the captured values they carry
     else:
         cap = captured if captured is not None else capture(model, args, kwargs)
+    _refuse_stateful(cap, pipe is not None, checkpoint)
     timings["capture"] = time.perf_counter() - t0
     timings["capture_cpu"] = time.process_time() - c0
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
@@ -220,6 +222,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                                f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
 
         use_checkpoint = bool(search_result.checkpoint if search_result is not None else checkpoint) and train
+        _refuse_stateful(cap, False, use_checkpoint)  # the search may choose recompute too
         t = time.perf_counter()
         resolved = resolve_layout(info, layout, mesh)
         stage = zero_stage or 0
@@ -293,6 +296,21 @@ def warn_idle_axes(plan) -> None:
         warnings.warn(f"autoshard: the plan leaves mesh ax{'es' if many else 'is'} {', '.join(axes)} idle: "
                       f"{'their' if many else 'its'} ranks repeat each other's work (plan.explain() says what "
                       f"splitting the batch there would save and cost)", IdleAxisWarning, stacklevel=3)
+
+
+def _refuse_stateful(cap, pipelined: bool, checkpoint) -> None:
+    """UnsupportedModelError where forward's state would not come out as the unsharded
+    model's: batch statistics over a pipeline's microbatches (not the batch), buffer updates
+    run again by a recomputed block."""
+    if pipelined and (cap.batch_statistics or cap.mutated):
+        what = (f"normalizes with the batch's statistics in {cap.batch_statistics[0]} (BatchNorm in training mode)"
+                if cap.batch_statistics else f"updates the buffer {cap.mutated[0]} in place")
+        raise UnsupportedModelError(f"the model {what}: a pipeline runs it per microbatch, not on the whole batch "
+                                    f"(hint: model.eval(), or plan without pipeline=)")
+    if checkpoint and cap.mutated:
+        raise UnsupportedModelError(f"the model updates the buffer {cap.mutated[0]} in place in forward: "
+                                    f"checkpoint=True would update it again when backward recomputes the block "
+                                    f"(hint: plan without checkpoint=True)")
 
 
 @contextlib.contextmanager

@@ -173,11 +173,15 @@ class Plan:
             with rank_context(plan.mesh, rank, backend):
                 outs, grads = plan.run_rank(rank, tokens, grads=True)
         """
+        return self._run_rank(rank, args, kwargs, grads)[0]
+
+    def _run_rank(self, rank, args, kwargs, grads):
+        """:meth:`run_rank`'s result and this rank's pieces of the buffers forward updated."""
         self._check_real(args, kwargs)
         local = self.build(rank)
         if not grads:
             with torch.no_grad():
-                return local.run_flat(self.captured.flatten_args(args, kwargs))
+                return local.run_flat(self.captured.flatten_args(args, kwargs)), local.updated_buffers()
         outs = local.run_flat(self.captured.flatten_args(args, kwargs))
         loss = outs[self.loss_index()]
         # The grad of a Replicate or Partial value is the full gradient, of a Shard its block:
@@ -185,7 +189,18 @@ class Plan:
         loss.backward(torch.ones_like(loss))
         local_grads = {local.fqn_of[n]: (p.grad if p.grad is not None else torch.zeros_like(p))
                        for n, p in local.named_parameters() if p.requires_grad}
-        return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], local_grads
+        return ([o.detach() if isinstance(o, torch.Tensor) else o for o in outs], local_grads), local.updated_buffers()
+
+    def assemble_buffers(self, per_rank: list) -> dict:
+        """{FQN: global tensor} of the updated buffers from every rank's pieces
+        (:meth:`LocalModule.updated_buffers`)."""
+        return {fqn: assemble([r[fqn] for r in per_rank], self.placement_of(fqn), self.mesh) for fqn in per_rank[0]}
+
+    def _write_back(self, per_rank: list) -> None:
+        """Forward's buffer updates into the model's buffers, as calling the model does."""
+        with torch.no_grad():
+            for fqn, value in self.assemble_buffers(per_rank).items():
+                self.captured.state[fqn].copy_(value)
 
     def assemble_outputs(self, per_rank: list):
         """Global outputs (the model's structure) from every rank's local flat outputs."""
@@ -203,11 +218,14 @@ class Plan:
 
     def simulate(self, *args, **kwargs):
         """Run the plan on a simulated mesh (ranks as threads); returns the model's outputs,
-        assembled to global tensors."""
+        assembled to global tensors. Buffers forward updates (BatchNorm's running statistics in
+        training mode, a counter) are written back into the model, as calling it would."""
         self._check_real(args, kwargs)
         self._check_inputs(args, kwargs)
-        results = run_simulated(self.mesh, lambda rank: (self.run_rank(rank, *args, **kwargs), list(current().trace)))
-        self.last_trace = [r[1] for r in results]
+        results = run_simulated(self.mesh, lambda rank: (*self._run_rank(rank, args, kwargs, False),
+                                                         list(current().trace)))
+        self.last_trace = [r[2] for r in results]
+        self._write_back([r[1] for r in results])
         return self.assemble_outputs([r[0] for r in results])
 
     def loss_index(self) -> int:
@@ -229,9 +247,10 @@ class Plan:
         self._check_real(args, kwargs)
         self._check_inputs(args, kwargs)
         results = run_simulated(
-            self.mesh, lambda rank: (*self.run_rank(rank, *args, grads=True, **kwargs), list(current().trace)))
+            self.mesh, lambda rank: (*self._run_rank(rank, args, kwargs, True), list(current().trace)))
         self.last_trace = [r[2] for r in results]
-        return self.assemble_outputs([r[0] for r in results]), self.assemble_grads([r[1] for r in results])
+        self._write_back([r[1] for r in results])
+        return self.assemble_outputs([r[0][0] for r in results]), self.assemble_grads([r[0][1] for r in results])
 
     # ------------------------------------------------------------------ training
     def build(self, rank: int) -> LocalModule:
@@ -275,7 +294,7 @@ class Plan:
         _LazyGraphModule.force_recompile(forward)
         return RankSpec(mesh, forward, slots, list(self.data_axes), prog.reshard_tags, list(prog.buckets),
                         cap.flatten_args, lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
-                        getattr(self, "reduce_dtype", None))
+                        getattr(self, "reduce_dtype", None), list(cap.mutated))
 
     def optimizer(self, local: LocalModule, optimizer_cls, **kwargs) -> ShardedOptimizer:
         """The optimizer for ``local``: ``optimizer_cls(params, **kwargs)`` over this rank's
@@ -303,7 +322,9 @@ class Plan:
         tuple; with ``microbatches=k`` a list of k tuples whose gradients accumulate, each loss
         scaled by 1/k, communicating on the data axes only in the last one); ``clip_grad_norm``:
         clip to that global gradient norm before each step. Returns
-        ``(per-step losses, {param FQN: full parameter after the last step})``.
+        ``(per-step losses, {param FQN: full parameter after the last step})``; the buffers
+        forward updates (BatchNorm's running statistics) are in that dict too, by FQN, as after
+        the last step (the model's own buffers stay as they were, like its parameters).
 
         Example::
 
@@ -337,12 +358,13 @@ class Plan:
                 opt.step()
                 opt.zero_grad()
                 losses.append(total)
-            return losses, local.full_parameters(), list(current().trace)
+            return losses, local.full_parameters(), list(current().trace), local.updated_buffers()
 
         results = run_simulated(self.mesh, rank_fn)
         self.last_trace = [r[2] for r in results]
         params = {fqn: assemble([r[1][fqn] for r in results], self.placement_of(fqn), self.mesh)
                   for fqn in results[0][1]}
+        params.update(self.assemble_buffers([r[3] for r in results]))
         for alias, kept in self.captured.aliases.items():
             if kept in params:
                 params[alias] = params[kept]

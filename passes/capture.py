@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from autoshard.runtime.inputs import InputMismatchError
 
 from .decompose import decompose
+from .dims import module_of
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .functionalize import functionalize
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
@@ -63,6 +64,8 @@ class Captured:
     seconds: float
     arg_names: list  # positional parameter names of forward, for dims given as a list
     aliases: dict  # tied parameter FQN -> the FQN kept in the graph
+    mutated: list = field(default_factory=list)  # buffer FQNs forward updates in place, in graph order
+    batch_statistics: list = field(default_factory=list)  # modules normalizing with the batch's statistics
 
     @property
     def user_inputs(self):
@@ -165,16 +168,25 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
             state[spec.target] = ep.constants[spec.target]
         else:
             inputs.append(Input(name, "user", next(user_paths, name)))
-    refuse_state_mutation(graph, inputs)  # each rank would update only its own copy
-    warn_dropout(graph)
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
-    functionalize(graph)  # in-place writes -> functional ops: no write lands in a copy
-    decompose(graph)
+    batch_statistics = [module_of(n) or "<root>" for n in graph.nodes if _batch_statistics(n)]
+    mutated = refuse_state_mutation(graph, inputs)  # parameters; buffers get random values
+    warn_dropout(graph)
+    # in-place writes -> functional ops (a buffer's last value copied back into it)
+    functionalize(graph, {i.name for i in inputs if i.kind == "buffer"})
+    decompose(graph)  # BatchNorm in training mode becomes sums and in-place running-stat updates
     _rewrite_reduced_cross_entropy(graph)
     graph.eliminate_dead_code()
     graph.lint()
-    return Captured(graph, inputs, state, ep.call_spec.in_spec, ep.call_spec.out_spec, seconds, arg_names, aliases)
+    return Captured(graph, inputs, state, ep.call_spec.in_spec, ep.call_spec.out_spec, seconds, arg_names, aliases,
+                    mutated, batch_statistics)
+
+
+def _batch_statistics(node: fx.Node) -> bool:
+    """A normalization over the batch's own statistics (BatchNorm in training mode)."""
+    return node.op == "call_function" and node.target == aten.batch_norm.default and bool(
+        node.args[5] if len(node.args) > 5 else node.kwargs.get("training"))
 
 
 def _merge_tied(graph: fx.Graph, inputs: list, state: dict) -> dict:

@@ -12,7 +12,8 @@ or of an alias of it made before the write, reads the new value (an alias is re-
 by replaying its views). ``passes/decompose.py`` then writes the scatters as ``where`` over a
 position table, which shards along the written dim without moving data (``rules.DECOMPOSITIONS``).
 
-Writes that cannot be made functional here (no functional op, or a view with no inverse below:
+A written input (a buffer) gets its last value copied back into it at the end of the program
+(``copy_``, the one write left in place). Writes that cannot be made functional here (no functional op, or a view with no inverse below:
 ``expand``, ``as_strided``, a ``detach``) stay in place; the rewrite refuses them with a
 ``LayoutError`` if a layout would make them write into a copy whose base is read later.
 
@@ -227,9 +228,10 @@ class _Versions:
         return new
 
 
-def functionalize(graph: fx.Graph) -> int:
+def functionalize(graph: fx.Graph, state=()) -> int:
     """Rewrite every in-place write that has a functional op and invertible views into
-    functional ops (see the module docstring); returns how many."""
+    functional ops (see the module docstring); returns how many. ``state``: names of the
+    placeholders that outlive the program (buffers), whose last value is copied back."""
     if not any(n.op == "call_function" and is_inplace(n.target) for n in graph.nodes):
         return 0
     s = _Versions(graph)
@@ -256,6 +258,12 @@ def functionalize(graph: fx.Graph) -> int:
                 continue  # an item of some other multi-output op: not an alias
             s.alias[node] = (root, chain + (node,))
             s.made[node] = (s.ver.get(root, 0), node)
+    # A written input (a buffer's counter or running statistic) outlives the program: its last
+    # value is copied back into it at the end, the one write that stays in place
+    out = next(n for n in graph.nodes if n.op == "output")
+    for root, new in s.cur.items():
+        if root.op == "placeholder" and root.name in state and new is not root:
+            Builder(graph, out)(aten.copy_.default, root, new)
     if done:
         graph.eliminate_dead_code()
     return done

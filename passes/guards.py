@@ -4,9 +4,10 @@ about) when the model is captured, instead of giving silently different results.
 - a custom ``torch.autograd.Function`` applied to values that need gradients: non-strict
   torch.export keeps only the ops of its ``forward``, so its ``backward`` would be dropped
   -> :class:`UnsupportedModelError` naming the Function and the line that applies it;
-- an in-place write into a buffer or parameter in forward (a counter updated with ``add_``,
-  BatchNorm running statistics in training mode): each rank would update its own copy and the
-  model would never see it -> :class:`UnsupportedModelError` naming the buffer and the line;
+- an in-place write into a parameter in forward, or of a random value into a buffer (each rank
+  would draw its own) -> :class:`UnsupportedModelError` naming it and the line; other buffer
+  updates (a counter ``add_``, BatchNorm running statistics) run on every rank's piece and are
+  listed, so the runtime can hand the new values back;
 - dropout in training mode: each rank draws its own mask, so results are not reproducible
   against the unsharded model -> :class:`DropoutWarning`.
 
@@ -137,24 +138,48 @@ def _root(v):
     return v
 
 
-def refuse_state_mutation(graph: fx.Graph, inputs: list) -> None:
-    """Raise :class:`UnsupportedModelError` if forward writes in place into a buffer or a
-    parameter (``inputs``: the capture's placeholder descriptions)."""
+def _random(node: fx.Node) -> bool:
+    """Whether an op draws random numbers (an inactive dropout does not)."""
+    if node.target in DROPOUT:
+        p, train = DROPOUT[node.target]
+        a = list(node.args)
+        if (len(a) > train and a[train] is False) or (len(a) > p and a[p] == 0):
+            return False
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def refuse_state_mutation(graph: fx.Graph, inputs: list) -> list:
+    """Raise :class:`UnsupportedModelError` if forward writes in place into a parameter, or
+    into a buffer a value drawn at random (each rank would draw its own, so the copies would
+    differ). Returns the buffers forward updates (their FQNs, in graph order): each rank's
+    program writes its piece of them (BatchNorm's running statistics, a counter), and the
+    runtime hands the new values back (``Plan.simulate``). ``inputs``: the capture's
+    placeholder descriptions."""
     state = {i.name: i for i in inputs if i.kind in ("buffer", "parameter")}
+    random, mutated = set(), []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
+        if _random(node) or any(a in random for a in node.all_input_nodes):
+            random.add(node)
         for v in written_arguments(node):
             root = _root(v)
-            if isinstance(root, fx.Node) and root.op == "placeholder" and root.name in state:
-                inp = state[root.name]
-                op = getattr(node.target, "__name__", str(node.target))
-                where = " at " + user_line(node) if user_line(node) else ""
+            if not (isinstance(root, fx.Node) and root.op == "placeholder" and root.name in state):
+                continue
+            inp = state[root.name]
+            op = getattr(node.target, "__name__", str(node.target))
+            where = f"{op} in module {module_of(node) or '<root>'}" + (" at " + user_line(node) if user_line(node) else "")
+            if inp.kind == "parameter":
                 raise UnsupportedModelError(
-                    f"forward updates the {inp.kind} {inp.target} in place ({op} in module "
-                    f"{module_of(node) or '<root>'}{where}); a plan would not carry the update back to "
-                    f"the model (hint: call model.eval() for BatchNorm statistics, or keep such state "
-                    f"outside the model)")
+                    f"forward updates the parameter {inp.target} in place ({where}); a plan would not carry the "
+                    f"update back to the model (hint: keep such state in a buffer, or outside the model)")
+            if node in random:
+                raise UnsupportedModelError(
+                    f"forward writes a random value into the buffer {inp.target} ({where}); every rank would draw "
+                    f"its own, so the copies of the buffer would differ (hint: draw it outside the model)")
+            if inp.target not in mutated:
+                mutated.append(inp.target)
+    return mutated
 
 
 def warn_dropout(graph: fx.Graph) -> None:

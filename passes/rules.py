@@ -372,6 +372,18 @@ def norm_rule(node: fx.Node) -> Indexing:
     return Indexing(ins, [letters], local=frozenset(l for l in letters[len(shp) - k:] if l))
 
 
+def batch_norm_rule(node: fx.Node) -> Indexing:
+    """batch_norm(x [N, C, *S], weight, bias, running_mean, running_var [C], training=False, ...):
+    in eval mode every element is normalized with its channel's running statistics, so every
+    dim is a loop letter (a block of the batch, of the positions or of the channels computes
+    alone). Training mode is decomposed at capture (``batch_norm_with_batch_statistics``)."""
+    shp = shape_of(node.args[0])
+    letters = _letters(shp)
+    channel = letters[1] if len(shp) > 1 else letters[0]
+    ins = [((0,), letters)] + [(p, [channel]) for p in tensor_args(node)[1:]]
+    return Indexing(ins, [letters])
+
+
 def cross_entropy_rule(node: fx.Node) -> Indexing:
     """cross_entropy_loss(input [N, C, ...], target [N, ...] or probabilities [N, C, ...],
     reduction='none'): classes whole.
@@ -728,6 +740,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.layer_norm.default: norm_rule,
     aten.rms_norm.default: norm_rule,
     aten.cross_entropy_loss.default: cross_entropy_rule,
+    aten.batch_norm.default: batch_norm_rule,
     # reductions
     aten.sum.dim_IntList: reduction(summed=True),
     aten.sum.default: reduction(summed=True, dim_arg=None, keepdim_arg=None),
@@ -828,6 +841,48 @@ def repeat_interleave_as_expand(b, x, repeats: int, dim=None, output_size=None):
     return b(aten.reshape.default, wide, shape[:d] + [shape[d] * repeats] + shape[d + 1:])
 
 
+def batch_norm_with_batch_statistics(b, x, weight, bias, running_mean, running_var, training, momentum, eps,
+                                     cudnn_enabled=False):
+    """batch_norm in training mode as sums: mean and biased variance over every dim but the
+    channel (dim 1), each a sum divided by the global count, so a batch split across ranks sums
+    its statistics (a synchronized BatchNorm: Partial sums and one all-reduce each); the running
+    statistics are updated as torch does (``momentum * mean + (1 - momentum) * running_mean``,
+    the variance unbiased by ``n / (n - 1)``) and written into the buffers in place. Statistics
+    of 16-bit inputs are computed in float32, as torch's kernels do. Eval mode keeps the op
+    (None: its own rule)."""
+    if not training:
+        return None
+    momentum = 0.1 if momentum is None else momentum  # F.batch_norm's default
+    shape = b.shape(x)
+    channels, n = shape[1], math.prod(shape) // shape[1]
+    over = [0] + list(range(2, len(shape)))
+    per_channel = [1, channels] + [1] * (len(shape) - 2)
+    low = x.meta["val"].dtype in (torch.float16, torch.bfloat16)
+    xs = b(aten._to_copy.default, x, dtype=torch.float32) if low else x
+    mean = b(aten.div.Tensor, b(aten.sum.dim_IntList, xs, over, True), n)
+    centered = b(aten.sub.Tensor, xs, mean)
+    var = b(aten.div.Tensor, b(aten.sum.dim_IntList, b(aten.mul.Tensor, centered, centered), over, True), n)
+    y = b(aten.mul.Tensor, centered, b(aten.rsqrt.default, b(aten.add.Tensor, var, eps)))
+    if low:
+        y = b(aten._to_copy.default, y, dtype=x.meta["val"].dtype)
+    if weight is not None:
+        y = b(aten.mul.Tensor, y, b(aten.reshape.default, weight, per_channel))
+    if bias is not None:
+        y = b(aten.add.Tensor, y, b(aten.reshape.default, bias, per_channel))
+    for stat, batch, scale in ((running_mean, mean, 1.0), (running_var, var, n / max(n - 1, 1))):
+        if stat is None:
+            continue
+        # the update carries no gradient (torch's kernel writes it outside autograd)
+        batch = b(aten.reshape.default, b(aten.detach.default, batch), [channels])
+        if scale != 1.0:
+            batch = b(aten.mul.Tensor, batch, scale)
+        new = b(aten.add.Tensor, b(aten.mul.Tensor, batch, momentum), b(aten.mul.Tensor, stat, 1.0 - momentum))
+        if new.meta["val"].dtype != stat.meta["val"].dtype:
+            new = b(aten._to_copy.default, new, dtype=stat.meta["val"].dtype)
+        b(aten.copy_.default, stat, new)
+    return y
+
+
 def _positions(b, base, dim):
     """arange(n) of ``base``'s dim as a [1, .., n, .., 1] tensor: each element's position there.
     Elementwise ops on it shard with the dim: a rank's block holds its global positions."""
@@ -899,12 +954,15 @@ def masked_index_put_as_where(b, base, indices, values, accumulate: bool = False
 
 # Ops rewritten at capture into ops with rules (passes/decompose.py): their result's dims are
 # not one letter each (a dim that is an input dim followed by a new one), or a position they
-# address would be a global index into a split dim (the scatters of passes/functionalize.py).
+# address would be a global index into a split dim (the scatters of passes/functionalize.py), or
+# the op is a composite whose parts shard where it cannot (BatchNorm's batch statistics). A
+# function returning None keeps the node.
 DECOMPOSITIONS = {
     aten.repeat_interleave.self_int: repeat_interleave_as_expand,
     aten.select_scatter.default: select_scatter_as_where,
     aten.slice_scatter.default: slice_scatter_as_where,
     aten.index_put.default: masked_index_put_as_where,
+    aten.batch_norm.default: batch_norm_with_batch_statistics,
 }
 
 
@@ -942,7 +1000,8 @@ def _is_view(node: fx.Node) -> bool:
 
 def aliases_read_later(node: fx.Node) -> bool:
     """Whether the tensor an in-place node writes is read after it other than through its own
-    result: by a later user of the written value, or of a tensor it is a view of."""
+    result: by a later user of the written value, or of a tensor it is a view of, or after the
+    program (an input of it: a buffer's running statistics)."""
     order = {n: k for k, n in enumerate(node.graph.nodes)}
     here = order[node]
     todo, seen = [node.args[0]], set()
@@ -951,7 +1010,7 @@ def aliases_read_later(node: fx.Node) -> bool:
         if v in seen or not isinstance(v, fx.Node):
             continue
         seen.add(v)
-        if any(u is not node and order[u] > here for u in v.users):
+        if v.op == "placeholder" or any(u is not node and order[u] > here for u in v.users):
             return True
         if _is_view(v):
             todo.append(v.args[0])

@@ -272,9 +272,11 @@ class _Rewriter:
         place = []
         for a in self.axes:
             hits = [d for d, atoms in enumerate(dims) if atoms and self.unit_of(atoms, a)]
-            if len(hits) > 1 and a in self.layout.orders and all(
-                    self.unit_of(dims[d], a) == self.layout.orders[a][0] for d in hits):
-                hits = hits[:1]  # the sequence twice (query rows x key columns): rows follow queries
+            if len(hits) > 1 and len({self.info.dim_name(dims[d]) for d in hits}) == 1:
+                # One dim twice (query rows x key columns, image x text logits [batch, batch]):
+                # rows are split, the columns whole (each rank's rows against every column, the
+                # other side's embeddings gathered as contrastive training does)
+                hits = hits[:1]
             if len(hits) > 1:
                 names = [self.info.dim_name(dims[d]) for d in hits]
                 hint = "shard one of them on another axis or not at all"
@@ -732,16 +734,22 @@ class _Rewriter:
             passthrough = False
             if partial_in:
                 if ix.joint:
-                    passthrough = all(j in ix.linear for j in partial_in)
-                    # add/sub: every operand must be partial (mixing would add the whole one R times)
-                    passthrough = passthrough and len(partial_in) == len([j for j in ix.linear if j < n_in])
+                    # add/sub: every operand must be partial (mixing would add the whole one R
+                    # times), so a whole operand becomes one on rank 0 (to_partial), where that
+                    # sums no more than the partial ones would: residual + attn + mlp then pays
+                    # one all-reduce for both branches
+                    passthrough = all(j in ix.linear for j in partial_in) and (
+                        len(partial_in) == len([j for j in ix.linear if j < n_in])
+                        or self.joins_pending_sums(node, ix, partial_in, a))
                 else:
                     passthrough = len(partial_in) == 1 and partial_in[0] in ix.linear
                 if is_inplace(node.target) and 0 not in partial_in:
                     passthrough = False  # a whole tensor written in place cannot become a pending sum
             for j in range(n_in):
-                # A bias added to a passed-through pending sum must be added once: Partial too.
-                targets[j][i] = P if (passthrough and (j in partial_in or j in ix.additive)) else R
+                # A bias added to a passed-through pending sum must be added once: Partial too
+                # (and every operand of a jointly linear op).
+                targets[j][i] = P if (passthrough and (j in partial_in or j in ix.additive
+                                                       or (ix.joint and j in ix.linear))) else R
             if passthrough:
                 varying_axes.add(a)
             for k in range(len(ix.outputs)):
@@ -783,6 +791,23 @@ class _Rewriter:
             new = self.rescale_mean(node, new, ix, modes)
         self.local[node] = new
         self.place[node] = places
+
+    def joins_pending_sums(self, node, ix, partial_in, axis) -> bool:
+        """Whether a jointly linear op (add, sub) whose operands ``partial_in`` are pending sums on
+        ``axis`` and whose others are whole should stay a pending sum (the whole operands kept on
+        rank 0): when its only reader is another jointly linear op (which may add a second pending
+        sum to it: ``residual + attn + mlp``), and each pending operand is as large as the result
+        (its later all-reduce moves no more bytes) and read only here (no other reader sums it)."""
+        readers = list(node.users)
+        nxt = self.info.indexing.get(readers[0]) if len(readers) == 1 else None
+        if nxt is None or not nxt.joint:
+            return False
+        numel = math.prod(shape_of(node))
+        for j in partial_in:
+            src = get_path(node, ix.inputs[j][0])
+            if math.prod(shape_of(src)) != numel or list(src.users) != [node]:
+                return False
+        return True
 
     def map_args(self, node, ix, targets, varying_axes, modes):
         converted = {}

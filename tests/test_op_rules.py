@@ -217,12 +217,27 @@ def diff(seed):
     return aten.diff.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
 
 
+def batch_norm(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+
+    def f(m, x):  # eval mode: the running statistics of each channel (dim 1)
+        y = F.batch_norm(x * m.w, m.mean, m.var, weight=m.g, bias=m.b, training=False)
+        return (y * y).sum(), y
+    c = shape[1]
+    model = OpModule(f, w=torch.randn(shape), g=torch.randn(c), b=torch.randn(c))
+    model.register_buffer("mean", torch.randn(c))
+    model.register_buffer("var", torch.rand(c) + 0.5)
+    return aten.batch_norm.default, model, (torch.randn(shape),)
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
     "histc": histc, "chunk": chunk, "index_put_": index_put, "div_": in_place("div_"), "add_": in_place("add_"),
     "scatter": scatter("scatter"), "scatter.value": scatter("scatter_value"), "scatter_add": scatter("scatter_add"),
     "index_add": scatter("index_add"), "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
+    "batch_norm": batch_norm,
 }
 
 

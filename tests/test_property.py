@@ -681,7 +681,7 @@ def predict(p: Program, mesh: dict, layout: dict):
     for dims in p.checked:
         for a, us in units.items():
             hits = [d for d in dims if any(p.leaves(d)[:len(u)] == u for u in us)]
-            if len(hits) > 1:
+            if len(set(hits)) > 1:  # one name twice ([batch, batch]) splits its first dim only
                 conflicts.append((a, hits))
     if conflicts:
         return "two_dims", conflicts

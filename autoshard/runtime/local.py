@@ -82,6 +82,7 @@ class RankSpec:
     flatten: Callable | None = None  # (args, kwargs) -> flat user inputs
     unflatten: Callable | None = None  # flat outputs -> the model's output structure
     reduce_dtype: torch.dtype | None = None  # mixed precision: gradient sums run in this dtype
+    mutated: list = field(default_factory=list)  # buffer FQNs the program updates in place (running statistics)
 
 
 def check_slot(slot: Slot, value) -> None:
@@ -204,6 +205,18 @@ class LocalModule(nn.Module):
                 params += t.untyped_storage().nbytes()
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self.parameters() if p.grad is not None)
         return {"params": params, "grads": grads}
+
+    def updated_buffers(self) -> dict:
+        """{FQN: this rank's piece} of the buffers the program updates in place (BatchNorm's
+        running statistics, a counter): the program writes each rank's piece, so after a
+        forward these are the new values, as the unsharded model's buffers would be.
+
+        Example::
+
+            local(*batch); local.updated_buffers()   # {'bn.running_mean': tensor([...]), ...}
+        """
+        fqns = set(self.spec.mutated)
+        return {s.target: self._values[s.name] for s in self.spec.slots if s.kind == "buffer" and s.target in fqns}
 
     def full_parameters(self) -> dict:
         """{FQN: this rank's stored piece} (for assembling the trained model)."""
