@@ -28,7 +28,7 @@ Example::
     >>> inline_regions(ep.graph_module)
     1
     >>> [n.target.__name__ for n in ep.graph.nodes if n.op == "call_function"]
-    ['_softmax.default', 'detach.default', 'mul.Tensor', 'sum.default']
+    ['softmax.int', 'detach.default', 'mul.Tensor', 'sum.default']
 """
 from __future__ import annotations
 
