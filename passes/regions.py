@@ -61,7 +61,9 @@ def inline_regions(gm: fx.GraphModule) -> int:
     n = _inline(gm, None)
     if n:
         _detach_no_grad_reads(gm.graph)
-        gm.graph.eliminate_dead_code()  # the get_attr nodes of inlined submodules
+        for node in list(gm.graph.nodes):  # the get_attr nodes of the inlined submodules
+            if node.op == "get_attr" and not node.users:
+                gm.graph.erase_node(node)
         gm.recompile()
     return n
 
@@ -82,14 +84,14 @@ def _inline(gm: fx.GraphModule, mode) -> int:
             raise CaptureError(_refusal(gm, node))
         sub = getattr(gm, sub_node.target)
         n += 1 + _inline(sub, inner_mode)
-        _splice(graph, node, sub, operands)
+        _splice(gm, node, sub, operands)
     return n
 
 
-def _splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, operands) -> None:
+def _splice(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, operands) -> None:
     """Copy ``sub``'s nodes before ``node`` (its placeholders bound to ``operands``) and make
     ``node``'s ``getitem`` users read the copied outputs."""
-    env = {}
+    graph, env = gm.graph, {}
     placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
     env.update(zip(placeholders, operands))
     outputs = ()
@@ -104,7 +106,7 @@ def _splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, operands) -> No
                 continue
             if s.op == "get_attr":
                 raise CaptureError(f"a {node.target.name()} region reads attribute {s.target!r} at "
-                                   f"{_where(node, sub)}, which capture does not inline")
+                                   f"{_where(node, gm)}, which capture does not inline")
             env[s] = graph.node_copy(s, lambda a: env[a])
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     for user in list(node.users):
@@ -112,7 +114,7 @@ def _splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, operands) -> No
             user.replace_all_uses_with(env.get(outputs[user.args[1]], outputs[user.args[1]]))
             graph.erase_node(user)
         else:
-            raise CaptureError(f"{node.target.name()}'s result is read whole by {user.name} at {_where(node, sub)}")
+            raise CaptureError(f"{node.target.name()}'s result is read whole by {user.name} at {_where(node, gm)}")
     graph.erase_node(node)
 
 

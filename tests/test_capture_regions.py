@@ -160,6 +160,30 @@ def test_inlined_regions_leave_plain_aten_nodes_and_no_gradient_marks():
     assert not any(d in rg for d in detached)
 
 
+class EmaUnderNoGrad(nn.Module):
+    """An exponential moving average kept in a buffer and updated under no_grad (as VQ codebooks
+    and EMA teachers do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.proj(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(y.mean(0) * 0.1)
+        return y.sum()
+
+
+def test_a_buffer_update_inside_no_grad_is_still_refused():
+    """Inlining a no_grad block keeps its in-place buffer update visible to the state guard."""
+    with pytest.raises(autoshard.UnsupportedModelError, match=r"^forward updates the buffer ema in place "
+                                                              r"\(mul_\.Tensor in module <root> at test_capture_regions"):
+        autoshard.autoshard(EmaUnderNoGrad(), (torch.randn(4, 4),), mesh=Mesh({"dp": 2}), dims={"x": "batch h"},
+                            layout={"batch": "dp"}, train=True)
+
+
 # ------------------------------------------------------------------ other higher-order ops: refused
 class Cond(nn.Module):
     def __init__(self):
