@@ -143,6 +143,17 @@ def test_no_grad_router_trains_like_single_device(mesh, layout):
         close(params[name], p, f"{mesh}: {name} after training", exact(name))
 
 
+def test_an_exported_no_grad_router_passes_its_check(tmp_path):
+    """The exported program (run.py's loading, on a simulated mesh) gives the unsharded model's
+    outputs, gradients and training step (run.py --steps 1 --check)."""
+    from autoshard.passes.export import simulate_export
+    model, x = moe_case(2)
+    plan = autoshard.autoshard(model, (x,), mesh=Mesh({"dp": 2}), dims=DIMS, layout={"batch": "dp"}, train=True)
+    plan.export(tmp_path / "exp", (x,))
+    for r in simulate_export(tmp_path / "exp", steps=1, check=True):
+        assert r["ok"], r["problems"]
+
+
 def test_inlined_regions_leave_plain_aten_nodes_and_no_gradient_marks():
     """The captured graph holds no higher-order op or submodule; the values computed under
     no_grad that grad-enabled code reads go through one detach each."""
