@@ -31,7 +31,8 @@ from autoshard.runtime.inputs import InputMismatchError
 from .decompose import decompose
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .functionalize import functionalize
-from .regions import inline_regions
+from .regions import inline_regions, refuse_no_grad_writes
+from .spmd import requires_grad_nodes
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
@@ -205,6 +206,7 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
         else:
             inputs.append(Input(name, "user", next(user_paths, name)))
     refuse_state_mutation(graph, inputs)  # each rank would update only its own copy
+    refuse_no_grad_writes(graph, requires_grad_nodes(graph, {i.name for i in inputs if i.trainable}))
     warn_dropout(graph)
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))

@@ -41,6 +41,7 @@ from torch import fx
 
 from .dims import module_of
 from .export_errors import CaptureError
+from .rules import _is_view, is_inplace
 
 aten = torch.ops.aten
 hop = torch.ops.higher_order
@@ -136,6 +137,24 @@ def _detach_no_grad_reads(graph: fx.Graph) -> None:
         cut.meta[GRAD_MODE] = False
         for u in readers:
             u.replace_input_with(node, cut)
+
+
+def refuse_no_grad_writes(graph: fx.Graph, grad_values: set) -> None:
+    """Refuse an in-place write made with grad disabled into a value that needs gradients (or a
+    view of one): eager autograd does not see the write and passes the gradient through the
+    overwritten elements as if it never happened, which no functional program computes exactly.
+    ``grad_values``: the nodes whose values need gradients (``spmd.requires_grad_nodes``)."""
+    for node in graph.nodes:
+        if node.meta.get(GRAD_MODE) is not False or node.op != "call_function" or not is_inplace(node.target):
+            continue
+        dst = node.args[0] if node.args else None
+        while isinstance(dst, fx.Node) and dst not in grad_values and _is_view(dst):
+            dst = dst.args[0]
+        if isinstance(dst, fx.Node) and dst in grad_values:
+            raise CaptureError(
+                f"{node.target} under torch.no_grad() writes into {dst.name}, which needs gradients, at "
+                f"{_where(node, None)}: eager autograd passes the gradient through the overwritten elements "
+                f"(hint: write outside the no_grad block, or into a detached copy: y = y.detach().clone())")
 
 
 _TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")

@@ -195,6 +195,35 @@ def test_a_buffer_update_inside_no_grad_is_still_refused():
                             layout={"batch": "dp"}, train=True)
 
 
+class WriteUnderNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x) * 2
+        with torch.no_grad():
+            y[:, 0] = 0.0  # autograd does not see it: the gradient passes through column 0
+        return (y * x).sum()
+
+
+def test_a_write_under_no_grad_into_a_value_with_gradient_is_refused():
+    """Eager passes the gradient through elements overwritten under no_grad (the write is not
+    recorded); no functional program computes that, so the capture refuses in one line."""
+    m = WriteUnderNoGrad()
+    x = torch.randn(4, 4)
+    m(x).backward()
+    assert torch.count_nonzero(m.proj.weight.grad[0]) > 0  # column 0 of y still passes gradient
+    with pytest.raises(CaptureError) as e:
+        autoshard.autoshard(WriteUnderNoGrad(), (x,), mesh=Mesh({"dp": 2}), dims={"x": "batch h"},
+                            layout={"batch": "dp"}, train=True)
+    msg = str(e.value)
+    line = _line_of(WriteUnderNoGrad, "y[:, 0] = 0.0")
+    assert "\n" not in msg and re.match(rf"aten\.fill_\.\w+ under torch\.no_grad\(\) writes into \w+, which needs "
+                                        rf"gradients, at node \w+ in module '<root>' at test_capture_regions\.py:{line}",
+                                        msg), msg
+
+
 # ------------------------------------------------------------------ other higher-order ops: refused
 class Cond(nn.Module):
     def __init__(self):
