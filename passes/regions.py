@@ -9,6 +9,8 @@ is read where grad is enabled: the program computes the same values, and gradien
 eager autograd stops them (a ``set_grad_enabled(True)`` block nested in ``no_grad`` carries its
 gradients out, as in eager). :func:`no_grad_node` tells the rewriter which values carry no
 gradient. An autocast block that is disabled is inlined the same way (it changes no dtype).
+:func:`refuse_no_grad_writes` refuses an in-place write made under ``no_grad`` into a value
+that needs gradients (eager passes the gradient through the overwritten elements).
 
 The other higher-order ops torch.export can emit -- ``cond``, ``while_loop``, ``map``,
 ``invoke_subgraph``, an enabled autocast block (its casts are applied at dispatch, so the
