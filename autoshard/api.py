@@ -165,6 +165,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     _refuse_stateful(cap, pipe is not None, checkpoint)
     timings["capture"] = time.perf_counter() - t0
     timings["capture_cpu"] = time.process_time() - c0
+    if train:
+        cap.require_scalar_loss("train=True")  # as loss.backward(): no silent training on its sum
     _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
     # Everything from here on plans a program captured above: its graphs, values and fake tensors
     # live until the plan is returned, so the cyclic collector need not traverse them again

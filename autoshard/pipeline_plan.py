@@ -221,6 +221,7 @@ class PipelinePlan(Plan):
         if microbatches != 1:
             raise ValueError("a pipelined plan splits each batch into its own microbatches "
                              f"({self.microbatches}); pass whole batches")
+        self.captured.require_scalar_loss("simulate_train")
         factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
         results = self._run([(tuple(b), {}) for b in batches], train=True, factory=factory)
         last = (len(self.pipe.stages) - 1) % self.mesh.axes[self.axis]

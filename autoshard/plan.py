@@ -230,20 +230,14 @@ class Plan:
 
     def loss_index(self) -> int:
         """Which flat output is the loss: the output itself, its first element, or ``.loss``."""
-        n = len(self.program.output_placements)
-        tree = pytree.tree_unflatten(list(range(n)), self.captured.out_spec)
-        if isinstance(tree, int):
-            return tree
-        if hasattr(tree, "loss") and isinstance(getattr(tree, "loss"), int):
-            return tree.loss
-        if isinstance(tree, dict):
-            return tree["loss"] if "loss" in tree else next(iter(tree.values()))
-        return pytree.tree_leaves(tree[0])[0]
+        return self.captured.loss_output()
 
     def simulate_grads(self, *args, **kwargs):
         """Forward and backward on the simulated mesh. Returns ``(outputs, {param FQN: full
-        gradient})``; the loss is the model's output (its first element, or ``.loss``), summed
-        if it is not a scalar."""
+        gradient})``; the loss is the model's output (its first element, or ``.loss``). A loss
+        that is not a scalar is seeded with ones, as ``out.backward(torch.ones_like(out))``
+        (the gradients of its sum): a probe of a forward plan's backward; training refuses such a
+        loss (``train=True``, :meth:`simulate_train`), as ``loss.backward()`` does."""
         self._check_real(args, kwargs)
         self._check_inputs(args, kwargs)
         results = run_simulated(
@@ -339,6 +333,7 @@ class Plan:
             for mb in s:
                 self._check_real(mb, {})
                 self._check_inputs(mb, {})
+        self.captured.require_scalar_loss("simulate_train")
         li = self.loss_index()
 
         def rank_fn(rank):

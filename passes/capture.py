@@ -5,7 +5,8 @@ Keeps parameter/buffer FQNs, ``nn_module_stack`` and ``stack_trace``; drops expo
 tokens divided by a count of valid tokens, so that a loss over a split batch is reduced globally
 (no hidden averaging); makes in-place writes functional (``passes/functionalize.py``). The
 user's module is never modified. Features a plan would not reproduce exactly are refused or
-warned about here (``passes/guards.py``).
+warned about here (``passes/guards.py``); grad-mode regions (``torch.no_grad()`` in forward)
+are inlined, other higher-order ops refused (``passes/regions.py``).
 
 Example::
 
@@ -31,6 +32,8 @@ from .decompose import decompose
 from .dims import module_of
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .functionalize import functionalize
+from .regions import inline_regions, refuse_no_grad_writes
+from .spmd import requires_grad_nodes
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
 aten = torch.ops.aten
@@ -70,6 +73,39 @@ class Captured:
     @property
     def user_inputs(self):
         return [i for i in self.inputs if i.kind == "user"]
+
+    def loss_output(self) -> int:
+        """Which flat output is the loss: the output itself, its first element, or ``.loss``."""
+        n = len(self.graph.output_node().args[0])
+        tree = pytree.tree_unflatten(list(range(n)), self.out_spec)
+        if isinstance(tree, int):
+            return tree
+        if hasattr(tree, "loss") and isinstance(getattr(tree, "loss"), int):
+            return tree.loss
+        if isinstance(tree, dict):
+            return tree["loss"] if "loss" in tree else next(iter(tree.values()))
+        return pytree.tree_leaves(tree[0])[0]
+
+    def require_scalar_loss(self, why: str) -> None:
+        """Refuse, as ``loss.backward()`` does, a loss output that is not a scalar (one element):
+        training on it would train on the gradients of its sum. ``why``: what wants to train.
+
+        Example::
+
+            cap.require_scalar_loss("train=True")  # ValueError for a loss of shape [4]
+        """
+        k = self.loss_output()
+        node = self.graph.output_node().args[0][k]
+        val = node.meta.get("val") if isinstance(node, fx.Node) else node
+        if isinstance(val, torch.Tensor) and val.numel() == 1:
+            return
+        n = len(self.graph.output_node().args[0])
+        paths = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(n)), self.out_spec))[0]
+        name = f"output{pytree.keystr(paths[k][0])}" if paths[k][0] else "the model's output"
+        what = f"has shape {list(val.shape)}" if isinstance(val, torch.Tensor) else f"is {val!r}"
+        raise ValueError(f"{why}: the loss, {name}, {what}: grad can be implicitly created only for scalar "
+                         f"outputs (torch's loss.backward() refuses it; a plan would train on its sum) (hint: "
+                         f"reduce it in forward, e.g. .sum() or .mean(), or return the scalar loss first or as .loss)")
 
     def flatten_args(self, args, kwargs) -> list:
         """Leaves of (args, kwargs) in the order of the user placeholders."""
@@ -139,6 +175,10 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     t0 = time.perf_counter()
     with watch_autograd_functions() as functions:
         ep = export_program(model, args, kwargs)  # CaptureError: one line naming the cause and source line
+    # no_grad / set_grad_enabled blocks become plain nodes, their values detached where grad-enabled
+    # code reads them; cond, while_loop, enabled autocast, ...: CaptureError naming op and line
+    # (first: torch.cond runs as an autograd Function, which the next line would name instead)
+    inline_regions(ep.graph_module)
     refuse_autograd_functions(functions)  # their backward is not in the graph
     seconds = time.perf_counter() - t0
     graph = ep.graph
@@ -172,6 +212,7 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
     batch_statistics = [module_of(n) or "<root>" for n in graph.nodes if _batch_statistics(n)]
     mutated = refuse_state_mutation(graph, inputs)  # parameters; buffers get random values
+    refuse_no_grad_writes(graph, requires_grad_nodes(graph, {i.name for i in inputs if i.trainable}))
     warn_dropout(graph)
     # in-place writes -> functional ops (a buffer's last value copied back into it)
     functionalize(graph, {i.name for i in inputs if i.kind == "buffer"})

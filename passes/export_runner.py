@@ -90,6 +90,20 @@ def _check_dims_in_range(place, ndim: int, what: str, bad) -> None:
             raise bad(f"{what} is sharded on dim {o.dim}, but it has {ndim} dim{'s' if ndim != 1 else ''}")
 
 
+def loss_shape(doc: dict, mesh: Mesh):
+    """The global shape of the loss output (its local block's, times the axes that shard it;
+    None if it is not a tensor)."""
+    out = doc["outputs"][doc["loss_output"]]
+    shape = out.get("local_shape")
+    if not isinstance(shape, list):
+        return None
+    shape = list(shape)
+    for o, axis in zip(out.get("_place") or (), mesh.names):
+        if isinstance(o, Shard):
+            shape[o.dim] *= mesh.axes[axis]
+    return shape
+
+
 def read_plan(root: Path) -> dict:
     """plan.json, validated enough that nothing later fails on its structure."""
     path = root / "plan.json"
@@ -667,6 +681,12 @@ def prepare(root: Path, args) -> dict:
         raise RunError("--steps must be >= 0")
     if args.steps and not any(m["kind"] == "parameter" and m.get("trainable") for m in doc["inputs"]):
         raise RunError("--steps trains parameters, but this program has no trainable ones")
+    if args.steps and doc.get("pipeline") is None:
+        shape = loss_shape(doc, mesh)
+        if shape is None or math.prod(shape) != 1:
+            raise RunError(f"--steps trains on output {doc['loss_output']} (the loss), of shape {shape}: grad can be "
+                           f"implicitly created only for scalar outputs, as torch's loss.backward() says (hint: "
+                           f"reduce the loss to a scalar in the model's forward and export again)")
     if args.synthetic and args.inputs:
         raise RunError("--synthetic and --inputs exclude each other")
     if args.timeline and not doc.get("pipeline"):

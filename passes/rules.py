@@ -703,7 +703,7 @@ BINARY = [
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
     aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
-    aten.fill.Tensor, aten.fill.Scalar, aten.zero.default,
+    aten.fill.Tensor, aten.fill.Scalar, aten.zero.default, aten.clamp.Tensor,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
@@ -770,6 +770,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.slice.Tensor: slice_rule,
     aten.select.int: select_rule,
     aten.cat.default: cat_rule,
+    aten.concat.default: cat_rule,  # torch.concat, an alias of cat
     aten.split.Tensor: split_rule,
     aten.split_with_sizes.default: split_rule,
     aten.chunk.default: split_rule,

@@ -41,6 +41,8 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
+from .export_errors import CaptureError
+from .regions import no_grad_node
 from .grad_regions import bucketable_region, drop_marks, sum_regions_in_storage, use_kind
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
@@ -567,7 +569,10 @@ class _Rewriter:
                         out_places.append(None)
                 self.g.output(tuple(outs))
             else:
-                raise NotImplementedError(f"unexpected node kind {node.op} ({node.name})")
+                # capture leaves placeholders, call_function and output nodes only (passes/regions.py
+                # inlines or refuses the submodules of higher-order ops)
+                raise CaptureError(f"the rewriter cannot run a {node.op} node: {self.where(node)} (capture "
+                                   f"inlines or refuses the submodules of higher-order ops; this one it left)")
         bucketed = self.take_bucketed()
         if self.bucket_axis is None and self.region_axis is not None and self.stored_reads:
             self.collectives = sum_regions_in_storage(
@@ -963,7 +968,7 @@ def requires_grad_nodes(graph: fx.Graph, grad_inputs: set) -> set:
             if node.name in grad_inputs:
                 out.add(node)
             continue
-        if node.op != "call_function":
+        if node.op != "call_function" or no_grad_node(node):  # computed under no_grad, or a detach
             continue
         vals = node.meta.get("val")
         vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]

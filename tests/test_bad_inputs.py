@@ -230,8 +230,15 @@ def test_capture_still_replays_warnings_when_it_succeeds(capfd):
 # exact: what is accepted gives the unsharded model's result
 # ------------------------------------------------------------------------------------------------
 
+class _Total(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
 def _mlp_exact(**options):
     model, args = mlp()
+    if options.get("train"):
+        model.append(_Total())  # training needs a scalar loss, as loss.backward() does
     plan = autoshard.autoshard(model, args, dims=MLP_DIMS, **options)
     want = model(*args)
     torch.testing.assert_close(plan.simulate(*args), want, rtol=1e-5, atol=1e-6)

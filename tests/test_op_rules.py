@@ -231,13 +231,35 @@ def batch_norm(seed):
     return aten.batch_norm.default, model, (torch.randn(shape),)
 
 
+def clamp_tensor(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = x * m.w
+        z = torch.clamp(y, min=x * 0.5 - 0.1, max=m.hi)  # tensor bounds, the upper one broadcast
+        return (z * z).sum(), z
+    return aten.clamp.Tensor, OpModule(f, w=torch.randn(shape), hi=torch.rand(shape[-1])), (torch.randn(shape),)
+
+
+def concat(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+    d = r.randrange(3)
+
+    def f(m, x):
+        y = torch.concat((x * m.w, x - m.w), dim=d)  # torch.concat: an alias of cat
+        return (y * y).sum(), y
+    return aten.concat.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
     "histc": histc, "chunk": chunk, "index_put_": index_put, "div_": in_place("div_"), "add_": in_place("add_"),
     "scatter": scatter("scatter"), "scatter.value": scatter("scatter_value"), "scatter_add": scatter("scatter_add"),
     "index_add": scatter("index_add"), "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
-    "batch_norm": batch_norm,
+    "batch_norm": batch_norm, "clamp.Tensor": clamp_tensor, "concat": concat,
 }
 
 
