@@ -227,7 +227,7 @@ view_rule.__doc__ = "view rule: dims split and merge"
 
 
 def permute_rule(node: fx.Node) -> Indexing:
-    """transpose / permute / t: letters move with their dims."""
+    """transpose / permute / t / .T / .mT: letters move with their dims."""
     shp = shape_of(node.args[0])
     n = len(shp)
     letters = [f"d{k}" for k in range(n)]
@@ -235,8 +235,10 @@ def permute_rule(node: fx.Node) -> Indexing:
         a, b = norm_dim(node.args[1], n), norm_dim(node.args[2], n)
         order = list(range(n))
         order[a], order[b] = order[b], order[a]
-    elif node.target == aten.t.default:
+    elif node.target in (aten.t.default, aten.numpy_T.default):  # x.T reverses every dim
         order = list(reversed(range(n)))
+    elif node.target in MATRIX_TRANSPOSE:  # x.mT, x.mH, adjoint: the last two dims swap
+        order = list(range(n - 2)) + [n - 1, n - 2]
     else:
         order = [norm_dim(d, n) for d in node.args[1]]
     ins = [None if s == 1 else l for l, s in zip(letters, shp)]
@@ -310,6 +312,49 @@ def cat_rule(node: fx.Node) -> Indexing:
     out = [None if s == 1 else f"d{k}" for k, s in enumerate(out_shape)]
     out[d] = "catout"
     return Indexing(ins, [out], local=frozenset(local | {"catout"}), linear=tuple(range(len(ins))), joint=True)
+
+
+def stack_rule(node: fx.Node) -> Indexing:
+    """stack(tensors, dim): a new dim (one position per input) inserted at ``dim``; the inputs'
+    dims (equal shapes) carry through. The new dim stays whole: each rank holds every input."""
+    out_shape = shape_of(node)
+    d = norm_dim(arg(node, 1, "dim", 0), len(out_shape))
+    ins = [((0, j), _letters(shape_of(t))) for j, t in enumerate(node.args[0])]
+    letters = _letters(shape_of(node.args[0][0]))
+    out = letters[:d] + [None if out_shape[d] == 1 else "stacked"] + letters[d:]
+    return Indexing(ins, [out], local=frozenset({"stacked"}), linear=tuple(range(len(ins))), joint=True)
+
+
+def complex_view_rule(node: fx.Node) -> Indexing:
+    """view_as_complex ([..., 2] real -> [...] complex) / view_as_real (the reverse): the real and
+    imaginary parts are the trailing size-2 dim, which stays whole; the other dims carry through."""
+    to_complex = node.target == aten.view_as_complex.default
+    shp = shape_of(node.args[0])
+    ins = _letters(shp)
+    if to_complex:
+        ins[-1] = "parts"
+        out = ins[:-1]
+    else:
+        out = ins + ["parts"]
+    return Indexing([((0,), ins)], [out], local=frozenset({"parts"}), linear=(0,))
+
+
+def repeat_rule(node: fx.Node) -> Indexing:
+    """repeat(x, sizes): tiles x; sizes may add leading dims. A dim repeated once carries its
+    letter; a tiled dim (and a new leading one) holds every copy of the input's dim, so the input
+    dim and the result's stay whole."""
+    shp, reps = shape_of(node.args[0]), list(node.args[1])
+    off = len(reps) - len(shp)
+    ins = _letters(shp)
+    out, local = [], set()
+    for k, (r, n) in enumerate(zip(reps, shape_of(node))):
+        src = k - off
+        if src >= 0 and r == 1:
+            out.append(ins[src])
+            continue
+        out.append(None if n == 1 else f"tiled{k}")
+        local |= {f"tiled{k}", ins[src] if src >= 0 else None}
+    return Indexing([((0,), ins)], [out], local=frozenset(local - {None}), linear=(0,))
 
 
 def split_rule(node: fx.Node) -> Indexing:
@@ -606,6 +651,7 @@ def grouped_matmul_rule(node: fx.Node) -> Indexing:
     return einsum("s i, e i o, e -> s o", summed="i", local="s e", linear=(0, 1))(node)
 
 
+MATRIX_TRANSPOSE = {aten.mT.default, aten.mH.default, aten.adjoint.default}
 POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 CONVOLUTION = {aten.convolution.default}
 
@@ -617,7 +663,7 @@ UNARY = [
     aten.clamp_min.default, aten.clamp_max.default, aten.zeros_like.default,
     aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.isnan.default,
     aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
-    aten.ceil.default, aten.round.default, aten.exp2.default,
+    aten.ceil.default, aten.round.default, aten.exp2.default, aten.softplus.default,
 ]
 LINEAR_UNARY = [
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
@@ -633,7 +679,7 @@ BINARY = [
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
     aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
-    aten.fill.Tensor, aten.fill.Scalar,
+    aten.fill.Tensor, aten.fill.Scalar, aten.polar.default,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
@@ -648,6 +694,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.addmm.default: einsum("n o, n i, i o -> n o", summed="i", linear=(1, 2), additive=(0,)),
     aten.matmul.default: matmul_rule,
     aten.mm.default: einsum("n i, i o -> n o", summed="i", linear=(0, 1)),
+    aten.outer.default: einsum("i, o -> i o", linear=(0, 1)),
     aten.bmm.default: einsum("b n i, b i o -> b n o", summed="i", linear=(0, 1)),
     aten.baddbmm.default: einsum("b n o, b n i, b i o -> b n o", summed="i", linear=(1, 2), additive=(0,)),
     aten.embedding.default: embedding_rule,
@@ -691,6 +738,8 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.transpose.int: permute_rule,
     aten.permute.default: permute_rule,
     aten.t.default: permute_rule,
+    aten.numpy_T.default: permute_rule,
+    **{op: permute_rule for op in MATRIX_TRANSPOSE},
     aten.unsqueeze.default: unsqueeze_rule,
     aten.squeeze.dim: unsqueeze_rule,
     aten.squeeze.dims: unsqueeze_rule,
@@ -699,6 +748,10 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.slice.Tensor: slice_rule,
     aten.select.int: select_rule,
     aten.cat.default: cat_rule,
+    aten.stack.default: stack_rule,
+    aten.view_as_complex.default: complex_view_rule,
+    aten.view_as_real.default: complex_view_rule,
+    aten.repeat.default: repeat_rule,
     aten.split.Tensor: split_rule,
     aten.split_with_sizes.default: split_rule,
     aten.chunk.default: split_rule,

@@ -183,11 +183,92 @@ def diff(seed):
     return aten.diff.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
 
 
+def stack(seed):
+    """Interleaved (rotate-every-two) RoPE: halves stacked on a new trailing dim, then merged."""
+    r = random.Random(seed)
+    shape = sizes(r, 2) + [r.choice([2, 4])]
+    d = r.randrange(4)
+
+    def f(m, x):
+        y = x * m.w
+        a, b = y[..., ::2], y[..., 1::2]
+        z = torch.stack([-b, a], dim=d)
+        return (z * z).sum(), z
+    return aten.stack.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def complex_rope(op):
+    """Complex RoPE as PyTorch-native Llama definitions write it: pairs of the head dim viewed as
+    complex numbers, multiplied by a rotation (torch.polar) and viewed back as pairs."""
+    def make(seed):
+        r = random.Random(seed)
+        b, s, h = sizes(r, 3)
+        d = r.choice([2, 4])
+
+        def f(m, x, angles):
+            q = x * m.w
+            qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+            rot = torch.polar(torch.ones_like(angles), angles).unsqueeze(0).unsqueeze(2)  # [1, s, 1, d/2]
+            out = torch.view_as_real(qc * rot).flatten(3).type_as(x)
+            return (out * out.cos()).sum(), out
+        return op, OpModule(f, w=torch.randn(b, s, h, d)), (torch.randn(b, s, h, d), torch.randn(s, d // 2))
+    return make
+
+
+def repeat(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+    reps = [r.choice([1, 2]), 1, 1] if seed % 2 else [1, r.choice([1, 3])]
+
+    def f(m, x):
+        y = (x * m.w).repeat(*reps)
+        return (y * y).sum(), y
+    return aten.repeat.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def softplus(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = F.softplus(x * m.w, beta=1.0 + seed)
+        return (y * y).sum(), y
+    return aten.softplus.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def transposed(kind):
+    """``x @ W.T`` linears (``.T`` is aten.numpy_T; ``.mT`` swaps the last two dims)."""
+    def make(seed):
+        r = random.Random(seed)
+        n, i, o = sizes(r, 3)
+
+        def f(m, x):
+            y = x @ (m.w.T if kind == "T" else m.w.mT)
+            return (y * y).sum(), y
+        op = aten.numpy_T.default if kind == "T" else aten.mT.default
+        return op, OpModule(f, w=torch.randn(o, i)), (torch.randn(n, i),)
+    return make
+
+
+def outer(seed):
+    r = random.Random(seed)
+    n, k = sizes(r, 2)
+
+    def f(m, x, t):
+        y = torch.outer(t, x * m.w)
+        return (y * y).sum(), y
+    return aten.outer.default, OpModule(f, w=torch.randn(k)), (torch.randn(k), torch.randn(n))
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
     "histc": histc, "chunk": chunk, "index_put_": index_put, "div_": in_place("div_"), "add_": in_place("add_"),
     "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
+    "stack": stack, "view_as_complex": complex_rope(aten.view_as_complex.default),
+    "view_as_real": complex_rope(aten.view_as_real.default), "polar": complex_rope(aten.polar.default),
+    "repeat": repeat, "softplus": softplus,
+    "numpy_T": transposed("T"), "mT": transposed("mT"), "outer": outer,
 }
 
 
