@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .decompose import decompose
+from .view_chains import compose_view_chains, unflatten_linears
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .guards import refuse_autograd_functions, refuse_state_mutation, warn_dropout, watch_autograd_functions
 
@@ -128,6 +129,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     aliases = _merge_tied(graph, inputs, state)
     aliases.update(_unlisted_aliases(params, buffers, inputs, state))
     decompose(graph)
+    unflatten_linears(graph)  # before composing: the rows it unflattens may end a chain
+    compose_view_chains(graph)
     _rewrite_reduced_cross_entropy(graph)
     graph.eliminate_dead_code()
     graph.lint()
