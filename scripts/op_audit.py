@@ -173,13 +173,16 @@ def main(argv=None):
     ap.add_argument("model_types", nargs="*", help="transformers model types (default: every one)")
     ap.add_argument("--seconds", type=int, default=30, help="time cap per model (build, run, capture)")
     ap.add_argument("--skipped", action="store_true", help="also list the models skipped, with the reason")
+    ap.add_argument("--start", default="", help="begin at this model type (alphabetical order), to resume")
     ap.add_argument("--no-plain", action="store_true", help="leave out tests/plain_models.py")
     opts = ap.parse_args(argv)
     signal.signal(signal.SIGALRM, _alarm)
     warnings.filterwarnings("ignore")
     ops, models = Counter(), defaultdict(list)
     captured, skipped = [], []
-    sources = hf_models(opts.model_types, opts.seconds)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    names = opts.model_types or [t for t in sorted(CONFIG_MAPPING_NAMES) if t >= opts.start]
+    sources = hf_models(names, opts.seconds)
     if not opts.no_plain:
         sources = itertools.chain(sources, plain_models())
     for name, missing, note in sources:
@@ -188,7 +191,8 @@ def main(argv=None):
             print(f"  skipped {name}: {note}", file=sys.stderr, flush=True)
             continue
         captured.append((name, note))
-        print(f"  captured {name} ({note}): {sum(missing.values())} nodes without a rule", file=sys.stderr, flush=True)
+        print(f"  captured {name} ({note}): {sum(missing.values())} nodes without a rule {dict(missing)}",
+              file=sys.stderr, flush=True)
         ops.update(missing)
         for op in missing:
             models[op].append(name)
