@@ -173,6 +173,25 @@ def einsum(spec: str, summed: str = "", local: str = "", linear: tuple = (), add
     return rule
 
 
+def einsum_equation_rule(node: fx.Node) -> Optional[Indexing]:
+    """torch.einsum(equation, operands): the equation's letters are the rule's; letters absent
+    from the result are summed, and the op is linear in each operand (a product). A letter
+    repeated within one operand (a diagonal) has no rule: the op runs whole."""
+    eq = node.args[0].replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    specs = lhs.split(",")
+    if not rhs and "->" not in eq:  # implicit output: the letters used once, sorted
+        used = [c for c in lhs if c.isalpha()]
+        rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(used) if used.count(c) == 1))
+    tokens = lambda spec: ["..." if t == "." else t for t in spec.replace("...", ".")]  # noqa: E731
+    if any(len(set(t for t in tokens(sp) if t != "...")) != len([t for t in tokens(sp) if t != "..."]) for sp in specs):
+        return None
+    out = tokens(rhs)
+    summed = {t for sp in specs for t in tokens(sp) if t != "..." and t not in out}
+    spec = ", ".join(" ".join(tokens(sp)) for sp in specs) + " -> " + " ".join(out)
+    return einsum(spec, summed=" ".join(sorted(summed)), linear=(1,))(node)
+
+
 def matmul_rule(node: fx.Node) -> Indexing:
     """torch.matmul: 1-D operands are vectors; leading dims broadcast."""
     a, b = node.args[:2]
@@ -679,7 +698,7 @@ BINARY = [
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
     aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
-    aten.fill.Tensor, aten.fill.Scalar, aten.polar.default,
+    aten.fill.Tensor, aten.fill.Scalar, aten.polar.default, aten.where.Scalar,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
@@ -693,6 +712,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.linear.default: einsum("... i, o i, o -> ... o", summed="i", linear=(0, 1), additive=(2,)),
     aten.addmm.default: einsum("n o, n i, i o -> n o", summed="i", linear=(1, 2), additive=(0,)),
     aten.matmul.default: matmul_rule,
+    aten.einsum.default: einsum_equation_rule,
     aten.mm.default: einsum("n i, i o -> n o", summed="i", linear=(0, 1)),
     aten.outer.default: einsum("i, o -> i o", linear=(0, 1)),
     aten.bmm.default: einsum("b n i, b i o -> b n o", summed="i", linear=(0, 1)),
@@ -703,6 +723,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.add.Tensor: elementwise(linear=(0, 1), joint=True),
     aten.sub.Tensor: elementwise(linear=(0, 1), joint=True),
     aten.mul.Tensor: elementwise(linear=(0, 1)),
+    aten.multiply.Tensor: elementwise(linear=(0, 1)),
     aten.div.Tensor: elementwise(linear=(0,)),
     **{op: elementwise(linear=(0,)) for op in LINEAR_UNARY},
     **{op: elementwise() for op in UNARY + BINARY},
@@ -731,6 +752,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.all.dim: reduction(summed=False),
     # layout: views regroup dims, the rest move them
     aten.view.default: view_rule,
+    aten.view_as.default: view_rule,
     aten.reshape.default: view_rule,
     aten._unsafe_view.default: view_rule,
     aten.flatten.using_ints: view_rule,

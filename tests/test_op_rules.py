@@ -260,6 +260,21 @@ def outer(seed):
     return aten.outer.default, OpModule(f, w=torch.randn(k)), (torch.randn(k), torch.randn(n))
 
 
+def einsum(seed):
+    """torch.einsum as state-space and attention code writes it: a batched contraction."""
+    r = random.Random(seed)
+    b, l, d, n = sizes(r, 4)
+    eq = ["bld,dn->bln", "b l d, b n d -> b l n", "...d,dn->...n"][seed % 3]
+
+    other = (b, n, d) if "b n d" in eq else (d, n)
+
+    def f(m, x, y):
+        z = torch.einsum(eq, x * m.w, y * m.v)
+        return (z * z).sum(), z
+    return (aten.einsum.default, OpModule(f, w=torch.randn(b, l, d), v=torch.randn(other)),
+            (torch.randn(b, l, d), torch.randn(other)))
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
@@ -268,10 +283,10 @@ CASES = {
     "stack": stack, "view_as_complex": complex_rope(aten.view_as_complex.default),
     "view_as_real": complex_rope(aten.view_as_real.default), "polar": complex_rope(aten.polar.default),
     "repeat": repeat, "softplus": softplus,
-    "numpy_T": transposed("T"), "mT": transposed("mT"), "outer": outer,
+    "numpy_T": transposed("T"), "mT": transposed("mT"), "outer": outer, "einsum": einsum,
 }
 
-STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer"}
+STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer", "einsum"}
 
 
 def shardable(cap, op):
