@@ -359,10 +359,11 @@ def complex_view_rule(node: fx.Node) -> Indexing:
 
 
 def repeat_rule(node: fx.Node) -> Indexing:
-    """repeat(x, sizes): tiles x; sizes may add leading dims. A dim repeated once carries its
+    """repeat / tile(x, sizes): tiles x; sizes may add leading dims. A dim repeated once carries its
     letter; a tiled dim (and a new leading one) holds every copy of the input's dim, so the input
     dim and the result's stay whole."""
     shp, reps = shape_of(node.args[0]), list(node.args[1])
+    reps = [1] * (len(shp) - len(reps)) + reps  # tile: fewer sizes than dims repeat the trailing ones
     off = len(reps) - len(shp)
     ins = _letters(shp)
     out, local = [], set()
@@ -374,6 +375,25 @@ def repeat_rule(node: fx.Node) -> Indexing:
         out.append(None if n == 1 else f"tiled{k}")
         local |= {f"tiled{k}", ins[src] if src >= 0 else None}
     return Indexing([((0,), ins)], [out], local=frozenset(local - {None}), linear=(0,))
+
+
+def pool_rule(node: fx.Node) -> Indexing:
+    """adaptive_avg_pool1d/2d(x [N, C, *S], output_size) and group_norm(x [N, C, *S], groups,
+    weight [C], bias [C]): batch a loop letter; positions whole (pooled, or normalized over);
+    channels a loop letter of a pool, whole for a group norm (its groups span channels)."""
+    shp = shape_of(node.args[0])
+    ins = _letters(shp)
+    local = set(ins[2:])
+    if node.target == aten.group_norm.default:
+        local.add(ins[1])
+        out = list(ins)
+        operands = [((0,), ins)] + [(p, [ins[1]]) for p in tensor_args(node)[1:]]
+    else:
+        out = ins[:2] + [None if n == 1 else f"y{k}" for k, n in enumerate(shape_of(node)[2:])]
+        local |= set(out[2:])
+        operands = [((0,), ins)]
+    linear = () if node.target == aten.group_norm.default else (0,)  # an average is linear; a norm is not
+    return Indexing(operands, [out], local=frozenset(local - {None}), linear=linear)
 
 
 def split_rule(node: fx.Node) -> Indexing:
@@ -682,12 +702,12 @@ UNARY = [
     aten.clamp_min.default, aten.clamp_max.default, aten.zeros_like.default,
     aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.isnan.default,
     aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
-    aten.ceil.default, aten.round.default, aten.exp2.default, aten.softplus.default,
+    aten.ceil.default, aten.round.default, aten.exp2.default, aten.softplus.default, aten.log_sigmoid.default,
 ]
 LINEAR_UNARY = [
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-    aten.lift_fresh_copy.default, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
+    aten.lift_fresh_copy.default, aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.real.default,
 ]
 BINARY = [
     aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor, aten.ne.Tensor,
@@ -698,7 +718,8 @@ BINARY = [
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
     aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
-    aten.fill.Tensor, aten.fill.Scalar, aten.polar.default, aten.where.Scalar,
+    aten.fill.Tensor, aten.fill.Scalar, aten.polar.default, aten.where.Scalar, aten.pow.Scalar,
+    aten.div.Tensor_mode,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
@@ -744,6 +765,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.mean.dim: reduction(summed=True, mean=True),
     aten.mean.default: reduction(summed=True, mean=True, dim_arg=None, keepdim_arg=None),
     aten.amax.default: reduction(summed=False),
+    aten.logsumexp.default: reduction(summed=False),
     aten.amin.default: reduction(summed=False),
     aten.max.dim: reduction(summed=False),
     aten.min.dim: reduction(summed=False),
@@ -774,6 +796,10 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.view_as_complex.default: complex_view_rule,
     aten.view_as_real.default: complex_view_rule,
     aten.repeat.default: repeat_rule,
+    aten.tile.default: repeat_rule,
+    aten.adaptive_avg_pool1d.default: pool_rule,
+    aten.adaptive_avg_pool2d.default: pool_rule,
+    aten.group_norm.default: pool_rule,
     aten.split.Tensor: split_rule,
     aten.split_with_sizes.default: split_rule,
     aten.chunk.default: split_rule,

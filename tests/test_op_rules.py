@@ -275,6 +275,46 @@ def einsum(seed):
             (torch.randn(b, l, d), torch.randn(other)))
 
 
+def tile(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = (x * m.w).tile((2,) if seed % 2 else (2, 1, 1))
+        return (y * y).sum(), y
+    return aten.tile.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def logsumexp(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+
+    def f(m, x):
+        y = torch.logsumexp(x * m.w, dim=seed % 3)
+        return (y * y).sum(), y
+    return aten.logsumexp.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def pooled(kind):
+    def make(seed):
+        r = random.Random(seed)
+        n, c = sizes(r, 2)
+        space = [4, 6][: 1 if kind == "pool1d" else 2]
+
+        def f(m, x):
+            y = x * m.w
+            if kind == "group_norm":
+                z = F.group_norm(y, 2, m.g, m.b)
+            else:
+                z = (F.adaptive_avg_pool1d if kind == "pool1d" else F.adaptive_avg_pool2d)(y, 2)
+            return (z * z).sum(), z
+        op = {"pool1d": aten.adaptive_avg_pool1d.default, "pool2d": aten.adaptive_avg_pool2d.default,
+              "group_norm": aten.group_norm.default}[kind]
+        norm = dict(g=torch.randn(c), b=torch.randn(c)) if kind == "group_norm" else {}
+        return op, OpModule(f, w=torch.randn(n, c, *space), **norm), (torch.randn(n, c, *space),)
+    return make
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
@@ -284,9 +324,12 @@ CASES = {
     "view_as_real": complex_rope(aten.view_as_real.default), "polar": complex_rope(aten.polar.default),
     "repeat": repeat, "softplus": softplus,
     "numpy_T": transposed("T"), "mT": transposed("mT"), "outer": outer, "einsum": einsum,
+    "tile": tile, "logsumexp": logsumexp, "adaptive_avg_pool1d": pooled("pool1d"),
+    "adaptive_avg_pool2d": pooled("pool2d"), "group_norm": pooled("group_norm"),
 }
 
-STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer", "einsum"}
+STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer", "einsum",
+          "tile", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "group_norm"}
 
 
 def shardable(cap, op):
