@@ -703,6 +703,8 @@ UNARY = [
     aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.isnan.default,
     aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
     aten.ceil.default, aten.round.default, aten.exp2.default, aten.softplus.default, aten.log_sigmoid.default,
+    aten.hardtanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default,
+    aten.elu.default, aten.mish.default, aten.relu6.default,
 ]
 LINEAR_UNARY = [
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
@@ -867,10 +869,18 @@ def repeat_interleave_as_expand(b, x, repeats: int, dim=None, output_size=None):
     return b(aten.reshape.default, wide, shape[:d] + [shape[d] * repeats] + shape[d + 1:])
 
 
+def expand_as_expand(b, x, other):
+    """x.expand_as(other) == x.expand(other.shape): the sizes become the op's own (localized
+    like expand's), not a tensor operand whose split the result would have to follow."""
+    return b(aten.expand.default, x, b.shape(other))
+
+
 # Ops rewritten at capture into ops with rules (passes/decompose.py): their result's dims are
-# not one letter each (a dim that is an input dim followed by a new one).
+# not one letter each (a dim that is an input dim followed by a new one), or their sizes come
+# from another tensor.
 DECOMPOSITIONS = {
     aten.repeat_interleave.self_int: repeat_interleave_as_expand,
+    aten.expand_as.default: expand_as_expand,
 }
 
 

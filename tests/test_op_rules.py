@@ -315,6 +315,27 @@ def pooled(kind):
     return make
 
 
+def hardtanh(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = F.hardtanh(x * m.w * 4, -1.0, 2.0) + F.hardswish(x * m.w)
+        return (y * y).sum(), y
+    return aten.hardtanh.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def expand_as(seed):
+    """Decomposed at capture into expand: the expanded dim follows the other tensor's split."""
+    r = random.Random(seed)
+    b, n = sizes(r, 2)
+
+    def f(m, x):
+        y = (x * m.w).sum(-1, keepdim=True).expand_as(x) * m.w
+        return (y * y).sum(), y
+    return aten.expand.default, OpModule(f, w=torch.randn(b, n)), (torch.randn(b, n),)
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
@@ -325,11 +346,13 @@ CASES = {
     "repeat": repeat, "softplus": softplus,
     "numpy_T": transposed("T"), "mT": transposed("mT"), "outer": outer, "einsum": einsum,
     "tile": tile, "logsumexp": logsumexp, "adaptive_avg_pool1d": pooled("pool1d"),
-    "adaptive_avg_pool2d": pooled("pool2d"), "group_norm": pooled("group_norm"),
+    "adaptive_avg_pool2d": pooled("pool2d"), "group_norm": pooled("group_norm"), "hardtanh": hardtanh,
+    "expand_as": expand_as,
 }
 
 STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer", "einsum",
-          "tile", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "group_norm"}
+          "tile", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "group_norm", "hardtanh",
+          "expand_as"}
 
 
 def shardable(cap, op):
