@@ -691,7 +691,7 @@ def grouped_matmul_rule(node: fx.Node) -> Indexing:
 
 
 MATRIX_TRANSPOSE = {aten.mT.default, aten.mH.default, aten.adjoint.default}
-POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.eye.default}
 CONVOLUTION = {aten.convolution.default}
 
 UNARY = [
@@ -704,7 +704,7 @@ UNARY = [
     aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
     aten.ceil.default, aten.round.default, aten.exp2.default, aten.softplus.default, aten.log_sigmoid.default,
     aten.hardtanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default,
-    aten.elu.default, aten.mish.default, aten.relu6.default,
+    aten.elu.default, aten.mish.default, aten.relu6.default, aten.acos.default,
 ]
 LINEAR_UNARY = [
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
@@ -726,7 +726,7 @@ BINARY = [
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
-    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.eye.default,
     aten.tensor.default if hasattr(aten, "tensor") else aten.zeros.default,
 ]
 
@@ -768,6 +768,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.mean.default: reduction(summed=True, mean=True, dim_arg=None, keepdim_arg=None),
     aten.amax.default: reduction(summed=False),
     aten.logsumexp.default: reduction(summed=False),
+    aten.linalg_vector_norm.default: reduction(summed=False, dim_arg=(2, "dim"), keepdim_arg=(3, "keepdim")),
     aten.amin.default: reduction(summed=False),
     aten.max.dim: reduction(summed=False),
     aten.min.dim: reduction(summed=False),
@@ -777,6 +778,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     # layout: views regroup dims, the rest move them
     aten.view.default: view_rule,
     aten.view_as.default: view_rule,
+    aten.reshape_as.default: view_rule,
     aten.reshape.default: view_rule,
     aten._unsafe_view.default: view_rule,
     aten.flatten.using_ints: view_rule,
@@ -794,6 +796,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.slice.Tensor: slice_rule,
     aten.select.int: select_rule,
     aten.cat.default: cat_rule,
+    aten.concat.default: cat_rule,
     aten.stack.default: stack_rule,
     aten.view_as_complex.default: complex_view_rule,
     aten.view_as_real.default: complex_view_rule,

@@ -336,6 +336,16 @@ def expand_as(seed):
     return aten.expand.default, OpModule(f, w=torch.randn(b, n)), (torch.randn(b, n),)
 
 
+def vector_norm(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+
+    def f(m, x):
+        y = torch.linalg.vector_norm(x * m.w, dim=-1, keepdim=bool(seed % 2))
+        return (y * y).sum(), y
+    return aten.linalg_vector_norm.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
@@ -347,12 +357,12 @@ CASES = {
     "numpy_T": transposed("T"), "mT": transposed("mT"), "outer": outer, "einsum": einsum,
     "tile": tile, "logsumexp": logsumexp, "adaptive_avg_pool1d": pooled("pool1d"),
     "adaptive_avg_pool2d": pooled("pool2d"), "group_norm": pooled("group_norm"), "hardtanh": hardtanh,
-    "expand_as": expand_as,
+    "expand_as": expand_as, "linalg_vector_norm": vector_norm,
 }
 
 STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer", "einsum",
           "tile", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "group_norm", "hardtanh",
-          "expand_as"}
+          "expand_as", "linalg_vector_norm"}
 
 
 def shardable(cap, op):
