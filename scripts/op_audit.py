@@ -182,9 +182,11 @@ def main(argv=None):
     captured, skipped = [], []
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     names = opts.model_types or [t for t in sorted(CONFIG_MAPPING_NAMES) if t >= opts.start]
+    # The plain models first: their capture imports what every capture needs, so that a time cap
+    # never interrupts an import half done (a half-imported module breaks every later capture).
     sources = hf_models(names, opts.seconds)
     if not opts.no_plain:
-        sources = itertools.chain(sources, plain_models())
+        sources = itertools.chain(plain_models(), sources)
     for name, missing, note in sources:
         if missing is None:
             skipped.append((name, note))
