@@ -30,6 +30,7 @@ from autoshard.runtime.inputs import InputMismatchError
 
 from .decompose import decompose
 from .dims import module_of
+from .view_chains import compose_view_chains, unflatten_linears
 from .export_errors import CaptureError, export_program  # noqa: F401 - CaptureError is re-exported
 from .functionalize import functionalize
 from .regions import inline_regions, refuse_no_grad_writes
@@ -217,6 +218,8 @@ def capture(model: torch.nn.Module, args, kwargs=None) -> Captured:
     # in-place writes -> functional ops (a buffer's last value copied back into it)
     functionalize(graph, {i.name for i in inputs if i.kind == "buffer"})
     decompose(graph)  # BatchNorm in training mode becomes sums and in-place running-stat updates
+    unflatten_linears(graph)  # before composing: the rows it unflattens may end a chain
+    compose_view_chains(graph)
     _rewrite_reduced_cross_entropy(graph)
     graph.eliminate_dead_code()
     graph.lint()

@@ -173,6 +173,25 @@ def einsum(spec: str, summed: str = "", local: str = "", linear: tuple = (), add
     return rule
 
 
+def einsum_equation_rule(node: fx.Node) -> Optional[Indexing]:
+    """torch.einsum(equation, operands): the equation's letters are the rule's; letters absent
+    from the result are summed, and the op is linear in each operand (a product). A letter
+    repeated within one operand (a diagonal) has no rule: the op runs whole."""
+    eq = node.args[0].replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    specs = lhs.split(",")
+    if not rhs and "->" not in eq:  # implicit output: the letters used once, sorted
+        used = [c for c in lhs if c.isalpha()]
+        rhs = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(used) if used.count(c) == 1))
+    tokens = lambda spec: ["..." if t == "." else t for t in spec.replace("...", ".")]  # noqa: E731
+    if any(len(set(t for t in tokens(sp) if t != "...")) != len([t for t in tokens(sp) if t != "..."]) for sp in specs):
+        return None
+    out = tokens(rhs)
+    summed = {t for sp in specs for t in tokens(sp) if t != "..." and t not in out}
+    spec = ", ".join(" ".join(tokens(sp)) for sp in specs) + " -> " + " ".join(out)
+    return einsum(spec, summed=" ".join(sorted(summed)), linear=(1,))(node)
+
+
 def matmul_rule(node: fx.Node) -> Indexing:
     """torch.matmul: 1-D operands are vectors; leading dims broadcast."""
     a, b = node.args[:2]
@@ -227,7 +246,7 @@ view_rule.__doc__ = "view rule: dims split and merge"
 
 
 def permute_rule(node: fx.Node) -> Indexing:
-    """transpose / permute / t: letters move with their dims."""
+    """transpose / permute / t / .T / .mT: letters move with their dims."""
     shp = shape_of(node.args[0])
     n = len(shp)
     letters = [f"d{k}" for k in range(n)]
@@ -235,8 +254,10 @@ def permute_rule(node: fx.Node) -> Indexing:
         a, b = norm_dim(node.args[1], n), norm_dim(node.args[2], n)
         order = list(range(n))
         order[a], order[b] = order[b], order[a]
-    elif node.target == aten.t.default:
+    elif node.target in (aten.t.default, aten.numpy_T.default):  # x.T reverses every dim
         order = list(reversed(range(n)))
+    elif node.target in MATRIX_TRANSPOSE:  # x.mT, x.mH, adjoint: the last two dims swap
+        order = list(range(n - 2)) + [n - 1, n - 2]
     else:
         order = [norm_dim(d, n) for d in node.args[1]]
     ins = [None if s == 1 else l for l, s in zip(letters, shp)]
@@ -310,6 +331,69 @@ def cat_rule(node: fx.Node) -> Indexing:
     out = [None if s == 1 else f"d{k}" for k, s in enumerate(out_shape)]
     out[d] = "catout"
     return Indexing(ins, [out], local=frozenset(local | {"catout"}), linear=tuple(range(len(ins))), joint=True)
+
+
+def stack_rule(node: fx.Node) -> Indexing:
+    """stack(tensors, dim): a new dim (one position per input) inserted at ``dim``; the inputs'
+    dims (equal shapes) carry through. The new dim stays whole: each rank holds every input."""
+    out_shape = shape_of(node)
+    d = norm_dim(arg(node, 1, "dim", 0), len(out_shape))
+    ins = [((0, j), _letters(shape_of(t))) for j, t in enumerate(node.args[0])]
+    letters = _letters(shape_of(node.args[0][0]))
+    out = letters[:d] + [None if out_shape[d] == 1 else "stacked"] + letters[d:]
+    return Indexing(ins, [out], local=frozenset({"stacked"}), linear=tuple(range(len(ins))), joint=True)
+
+
+def complex_view_rule(node: fx.Node) -> Indexing:
+    """view_as_complex ([..., 2] real -> [...] complex) / view_as_real (the reverse): the real and
+    imaginary parts are the trailing size-2 dim, which stays whole; the other dims carry through."""
+    to_complex = node.target == aten.view_as_complex.default
+    shp = shape_of(node.args[0])
+    ins = _letters(shp)
+    if to_complex:
+        ins[-1] = "parts"
+        out = ins[:-1]
+    else:
+        out = ins + ["parts"]
+    return Indexing([((0,), ins)], [out], local=frozenset({"parts"}), linear=(0,))
+
+
+def repeat_rule(node: fx.Node) -> Indexing:
+    """repeat / tile(x, sizes): tiles x; sizes may add leading dims. A dim repeated once carries its
+    letter; a tiled dim (and a new leading one) holds every copy of the input's dim, so the input
+    dim and the result's stay whole."""
+    shp, reps = shape_of(node.args[0]), list(node.args[1])
+    reps = [1] * (len(shp) - len(reps)) + reps  # tile: fewer sizes than dims repeat the trailing ones
+    off = len(reps) - len(shp)
+    ins = _letters(shp)
+    out, local = [], set()
+    for k, (r, n) in enumerate(zip(reps, shape_of(node))):
+        src = k - off
+        if src >= 0 and r == 1:
+            out.append(ins[src])
+            continue
+        out.append(None if n == 1 else f"tiled{k}")
+        local |= {f"tiled{k}", ins[src] if src >= 0 else None}
+    return Indexing([((0,), ins)], [out], local=frozenset(local - {None}), linear=(0,))
+
+
+def pool_rule(node: fx.Node) -> Indexing:
+    """adaptive_avg_pool1d/2d(x [N, C, *S], output_size) and group_norm(x [N, C, *S], groups,
+    weight [C], bias [C]): batch a loop letter; positions whole (pooled, or normalized over);
+    channels a loop letter of a pool, whole for a group norm (its groups span channels)."""
+    shp = shape_of(node.args[0])
+    ins = _letters(shp)
+    local = set(ins[2:])
+    if node.target == aten.group_norm.default:
+        local.add(ins[1])
+        out = list(ins)
+        operands = [((0,), ins)] + [(p, [ins[1]]) for p in tensor_args(node)[1:]]
+    else:
+        out = ins[:2] + [None if n == 1 else f"y{k}" for k, n in enumerate(shape_of(node)[2:])]
+        local |= set(out[2:])
+        operands = [((0,), ins)]
+    linear = () if node.target == aten.group_norm.default else (0,)  # an average is linear; a norm is not
+    return Indexing(operands, [out], local=frozenset(local - {None}), linear=linear)
 
 
 def split_rule(node: fx.Node) -> Indexing:
@@ -676,7 +760,8 @@ def grouped_matmul_rule(node: fx.Node) -> Indexing:
     return einsum("s i, e i o, e -> s o", summed="i", local="s e", linear=(0, 1))(node)
 
 
-POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+MATRIX_TRANSPOSE = {aten.mT.default, aten.mH.default, aten.adjoint.default}
+POSITIONAL_CREATION = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.eye.default}
 CONVOLUTION = {aten.convolution.default}
 
 UNARY = [
@@ -687,12 +772,14 @@ UNARY = [
     aten.clamp_min.default, aten.clamp_max.default, aten.zeros_like.default,
     aten.ones_like.default, aten.full_like.default, aten.empty_like.default, aten.isnan.default,
     aten.log1p.default, aten.expm1.default, aten.square.default, aten.sign.default, aten.floor.default,
-    aten.ceil.default, aten.round.default, aten.exp2.default,
+    aten.ceil.default, aten.round.default, aten.exp2.default, aten.softplus.default, aten.log_sigmoid.default,
+    aten.hardtanh.default, aten.hardswish.default, aten.hardsigmoid.default, aten.leaky_relu.default,
+    aten.elu.default, aten.mish.default, aten.relu6.default, aten.acos.default,
 ]
 LINEAR_UNARY = [
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
-    aten.lift_fresh_copy.default, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
+    aten.lift_fresh_copy.default, aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.real.default,
 ]
 BINARY = [
     aten.pow.Tensor_Tensor, aten.maximum.default, aten.minimum.default, aten.eq.Tensor, aten.ne.Tensor,
@@ -703,12 +790,13 @@ BINARY = [
     aten.rsub.Scalar, aten.floor_divide.default, aten.remainder.Scalar, aten.fmod.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bitwise_xor.Tensor,
     aten.logical_xor.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other,
-    aten.fill.Tensor, aten.fill.Scalar, aten.zero.default, aten.clamp.Tensor,
+    aten.fill.Tensor, aten.fill.Scalar, aten.zero.default, aten.clamp.Tensor, aten.polar.default,
+    aten.where.Scalar, aten.pow.Scalar, aten.div.Tensor_mode,
 ]
 CREATION = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
-    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.eye.default,
     aten.tensor.default if hasattr(aten, "tensor") else aten.zeros.default,
 ]
 
@@ -717,7 +805,9 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.linear.default: einsum("... i, o i, o -> ... o", summed="i", linear=(0, 1), additive=(2,)),
     aten.addmm.default: einsum("n o, n i, i o -> n o", summed="i", linear=(1, 2), additive=(0,)),
     aten.matmul.default: matmul_rule,
+    aten.einsum.default: einsum_equation_rule,
     aten.mm.default: einsum("n i, i o -> n o", summed="i", linear=(0, 1)),
+    aten.outer.default: einsum("i, o -> i o", linear=(0, 1)),
     aten.bmm.default: einsum("b n i, b i o -> b n o", summed="i", linear=(0, 1)),
     aten.baddbmm.default: einsum("b n o, b n i, b i o -> b n o", summed="i", linear=(1, 2), additive=(0,)),
     aten.embedding.default: embedding_rule,
@@ -726,6 +816,7 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.add.Tensor: elementwise(linear=(0, 1), joint=True),
     aten.sub.Tensor: elementwise(linear=(0, 1), joint=True),
     aten.mul.Tensor: elementwise(linear=(0, 1)),
+    aten.multiply.Tensor: elementwise(linear=(0, 1)),
     aten.div.Tensor: elementwise(linear=(0,)),
     **{op: elementwise(linear=(0,)) for op in LINEAR_UNARY},
     **{op: elementwise() for op in UNARY + BINARY},
@@ -747,6 +838,8 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.mean.dim: reduction(summed=True, mean=True),
     aten.mean.default: reduction(summed=True, mean=True, dim_arg=None, keepdim_arg=None),
     aten.amax.default: reduction(summed=False),
+    aten.logsumexp.default: reduction(summed=False),
+    aten.linalg_vector_norm.default: reduction(summed=False, dim_arg=(2, "dim"), keepdim_arg=(3, "keepdim")),
     aten.amin.default: reduction(summed=False),
     aten.max.dim: reduction(summed=False),
     aten.min.dim: reduction(summed=False),
@@ -755,6 +848,8 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.all.dim: reduction(summed=False),
     # layout: views regroup dims, the rest move them
     aten.view.default: view_rule,
+    aten.view_as.default: view_rule,
+    aten.reshape_as.default: view_rule,
     aten.reshape.default: view_rule,
     aten._unsafe_view.default: view_rule,
     aten.flatten.using_ints: view_rule,
@@ -762,6 +857,8 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.transpose.int: permute_rule,
     aten.permute.default: permute_rule,
     aten.t.default: permute_rule,
+    aten.numpy_T.default: permute_rule,
+    **{op: permute_rule for op in MATRIX_TRANSPOSE},
     aten.unsqueeze.default: unsqueeze_rule,
     aten.squeeze.dim: unsqueeze_rule,
     aten.squeeze.dims: unsqueeze_rule,
@@ -771,6 +868,14 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten.select.int: select_rule,
     aten.cat.default: cat_rule,
     aten.concat.default: cat_rule,  # torch.concat, an alias of cat
+    aten.stack.default: stack_rule,
+    aten.view_as_complex.default: complex_view_rule,
+    aten.view_as_real.default: complex_view_rule,
+    aten.repeat.default: repeat_rule,
+    aten.tile.default: repeat_rule,
+    aten.adaptive_avg_pool1d.default: pool_rule,
+    aten.adaptive_avg_pool2d.default: pool_rule,
+    aten.group_norm.default: pool_rule,
     aten.split.Tensor: split_rule,
     aten.split_with_sizes.default: split_rule,
     aten.chunk.default: split_rule,
@@ -953,17 +1058,24 @@ def masked_index_put_as_where(b, base, indices, values, accumulate: bool = False
     return b(aten.where.self, mask, value, base)
 
 
+def expand_as_expand(b, x, other):
+    """x.expand_as(other) == x.expand(other.shape): the sizes become the op's own (localized
+    like expand's), not a tensor operand whose split the result would have to follow."""
+    return b(aten.expand.default, x, b.shape(other))
+
+
 # Ops rewritten at capture into ops with rules (passes/decompose.py): their result's dims are
 # not one letter each (a dim that is an input dim followed by a new one), or a position they
 # address would be a global index into a split dim (the scatters of passes/functionalize.py), or
-# the op is a composite whose parts shard where it cannot (BatchNorm's batch statistics). A
-# function returning None keeps the node.
+# the op is a composite whose parts shard where it cannot (BatchNorm's batch statistics), or its
+# sizes come from another tensor (expand_as). A function returning None keeps the node.
 DECOMPOSITIONS = {
     aten.repeat_interleave.self_int: repeat_interleave_as_expand,
     aten.select_scatter.default: select_scatter_as_where,
     aten.slice_scatter.default: slice_scatter_as_where,
     aten.index_put.default: masked_index_put_as_where,
     aten.batch_norm.default: batch_norm_with_batch_statistics,
+    aten.expand_as.default: expand_as_expand,
 }
 
 

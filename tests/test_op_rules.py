@@ -253,6 +253,169 @@ def concat(seed):
     return aten.concat.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
 
 
+def stack(seed):
+    """Interleaved (rotate-every-two) RoPE: halves stacked on a new trailing dim, then merged."""
+    r = random.Random(seed)
+    shape = sizes(r, 2) + [r.choice([2, 4])]
+    d = r.randrange(4)
+
+    def f(m, x):
+        y = x * m.w
+        a, b = y[..., ::2], y[..., 1::2]
+        z = torch.stack([-b, a], dim=d)
+        return (z * z).sum(), z
+    return aten.stack.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def complex_rope(op):
+    """Complex RoPE as PyTorch-native Llama definitions write it: pairs of the head dim viewed as
+    complex numbers, multiplied by a rotation (torch.polar) and viewed back as pairs."""
+    def make(seed):
+        r = random.Random(seed)
+        b, s, h = sizes(r, 3)
+        d = r.choice([2, 4])
+
+        def f(m, x, angles):
+            q = x * m.w
+            qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+            rot = torch.polar(torch.ones_like(angles), angles).unsqueeze(0).unsqueeze(2)  # [1, s, 1, d/2]
+            out = torch.view_as_real(qc * rot).flatten(3).type_as(x)
+            return (out * out.cos()).sum(), out
+        return op, OpModule(f, w=torch.randn(b, s, h, d)), (torch.randn(b, s, h, d), torch.randn(s, d // 2))
+    return make
+
+
+def repeat(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+    reps = [r.choice([1, 2]), 1, 1] if seed % 2 else [1, r.choice([1, 3])]
+
+    def f(m, x):
+        y = (x * m.w).repeat(*reps)
+        return (y * y).sum(), y
+    return aten.repeat.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def softplus(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = F.softplus(x * m.w, beta=1.0 + seed)
+        return (y * y).sum(), y
+    return aten.softplus.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def transposed(kind):
+    """``x @ W.T`` linears (``.T`` is aten.numpy_T; ``.mT`` swaps the last two dims)."""
+    def make(seed):
+        r = random.Random(seed)
+        n, i, o = sizes(r, 3)
+
+        def f(m, x):
+            y = x @ (m.w.T if kind == "T" else m.w.mT)
+            return (y * y).sum(), y
+        op = aten.numpy_T.default if kind == "T" else aten.mT.default
+        return op, OpModule(f, w=torch.randn(o, i)), (torch.randn(n, i),)
+    return make
+
+
+def outer(seed):
+    r = random.Random(seed)
+    n, k = sizes(r, 2)
+
+    def f(m, x, t):
+        y = torch.outer(t, x * m.w)
+        return (y * y).sum(), y
+    return aten.outer.default, OpModule(f, w=torch.randn(k)), (torch.randn(k), torch.randn(n))
+
+
+def einsum(seed):
+    """torch.einsum as state-space and attention code writes it: a batched contraction."""
+    r = random.Random(seed)
+    b, l, d, n = sizes(r, 4)
+    eq = ["bld,dn->bln", "b l d, b n d -> b l n", "...d,dn->...n"][seed % 3]
+
+    other = (b, n, d) if "b n d" in eq else (d, n)
+
+    def f(m, x, y):
+        z = torch.einsum(eq, x * m.w, y * m.v)
+        return (z * z).sum(), z
+    return (aten.einsum.default, OpModule(f, w=torch.randn(b, l, d), v=torch.randn(other)),
+            (torch.randn(b, l, d), torch.randn(other)))
+
+
+def tile(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = (x * m.w).tile((2,) if seed % 2 else (2, 1, 1))
+        return (y * y).sum(), y
+    return aten.tile.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def logsumexp(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+
+    def f(m, x):
+        y = torch.logsumexp(x * m.w, dim=seed % 3)
+        return (y * y).sum(), y
+    return aten.logsumexp.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def pooled(kind):
+    def make(seed):
+        r = random.Random(seed)
+        n, c = sizes(r, 2)
+        space = [4, 6][: 1 if kind == "pool1d" else 2]
+
+        def f(m, x):
+            y = x * m.w
+            if kind == "group_norm":
+                z = F.group_norm(y, 2, m.g, m.b)
+            else:
+                z = (F.adaptive_avg_pool1d if kind == "pool1d" else F.adaptive_avg_pool2d)(y, 2)
+            return (z * z).sum(), z
+        op = {"pool1d": aten.adaptive_avg_pool1d.default, "pool2d": aten.adaptive_avg_pool2d.default,
+              "group_norm": aten.group_norm.default}[kind]
+        norm = dict(g=torch.randn(c), b=torch.randn(c)) if kind == "group_norm" else {}
+        return op, OpModule(f, w=torch.randn(n, c, *space), **norm), (torch.randn(n, c, *space),)
+    return make
+
+
+def hardtanh(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 2)
+
+    def f(m, x):
+        y = F.hardtanh(x * m.w * 4, -1.0, 2.0) + F.hardswish(x * m.w)
+        return (y * y).sum(), y
+    return aten.hardtanh.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
+def expand_as(seed):
+    """Decomposed at capture into expand: the expanded dim follows the other tensor's split."""
+    r = random.Random(seed)
+    b, n = sizes(r, 2)
+
+    def f(m, x):
+        y = (x * m.w).sum(-1, keepdim=True).expand_as(x) * m.w
+        return (y * y).sum(), y
+    return aten.expand.default, OpModule(f, w=torch.randn(b, n)), (torch.randn(b, n),)
+
+
+def vector_norm(seed):
+    r = random.Random(seed)
+    shape = sizes(r, 3)
+
+    def f(m, x):
+        y = torch.linalg.vector_norm(x * m.w, dim=-1, keepdim=bool(seed % 2))
+        return (y * y).sum(), y
+    return aten.linalg_vector_norm.default, OpModule(f, w=torch.randn(shape)), (torch.randn(shape),)
+
+
 CASES = {
     "conv1d": conv(1), "conv2d": conv(2), "conv3d": conv(3), "conv2d_depthwise": conv(2, "depthwise"),
     "conv2d_groups": conv(2, "two"), "topk": along("topk"), "sort": along("sort"), "gather": gather,
@@ -260,7 +423,28 @@ CASES = {
     "scatter": scatter("scatter"), "scatter.value": scatter("scatter_value"), "scatter_add": scatter("scatter_add"),
     "index_add": scatter("index_add"), "where.ScalarOther": binary("where"), "min.other": binary("min"), "pad": pad, "diff": diff,
     "batch_norm": batch_norm, "clamp.Tensor": clamp_tensor, "concat": concat,
+    'stack': stack,
+    'view_as_complex': complex_rope(aten.view_as_complex.default),
+    'view_as_real': complex_rope(aten.view_as_real.default),
+    'polar': complex_rope(aten.polar.default),
+    'repeat': repeat,
+    'softplus': softplus,
+    'numpy_T': transposed("T"),
+    'mT': transposed("mT"),
+    'outer': outer,
+    'einsum': einsum,
+    'tile': tile,
+    'logsumexp': logsumexp,
+    'adaptive_avg_pool1d': pooled("pool1d"),
+    'adaptive_avg_pool2d': pooled("pool2d"),
+    'group_norm': pooled("group_norm"),
+    'hardtanh': hardtanh,
+    'expand_as': expand_as,
+    'linalg_vector_norm': vector_norm,
 }
+STRICT = {"stack", "view_as_complex", "view_as_real", "polar", "repeat", "softplus", "numpy_T", "mT", "outer", "einsum",
+          "tile", "logsumexp", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "group_norm", "hardtanh",
+          "expand_as", "linalg_vector_norm"}
 
 
 def shardable(cap, op):
@@ -310,7 +494,9 @@ def test_every_shardable_letter_matches_the_unsharded_op(case, seed):
     if expect is not None:
         assert len(names) == expect, names
     for name, (letter, summed) in names.items():
-        plan = autoshard.autoshard(model, args, mesh=Mesh({"x": 2}), layout={name: "x"}, captured=cap)
+        # the rules real model code needs: strict, so nothing the layout splits is gathered whole
+        plan = autoshard.autoshard(model, args, mesh=Mesh({"x": 2}), layout={name: "x"}, captured=cap,
+                                   strict=case in STRICT)
         check_exact(plan, model, args, split_sum=summed)
         place = plan.program.placements[node.name][0][0]
         assert isinstance(place, Partial if summed else Shard), (case, name, letter, place)
