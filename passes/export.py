@@ -693,7 +693,7 @@ def load_program(path):
 
 
 def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float = 1e-3, check: bool = False,
-                    inputs=None, weights=None, allow_partial: bool = False) -> list:
+                    inputs=None, weights=None, allow_partial: bool = False, weights_prefix=None) -> list:
     """Run an exported directory on a simulated mesh (ranks as threads of this process), loading
     the program, weights and inputs exactly as run.py does: forward only, or ``steps`` training
     steps. Returns one dict per rank: ``outputs`` (flat, local; of the first step), ``grads``
@@ -707,7 +707,7 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     program = R.load_programs(path, doc)
     mesh = Mesh(doc["mesh"])
     user = inputs if inputs is not None else R.load_inputs(path, doc, synthetic=False)
-    weights = R.open_weights(path, doc, weights, allow_partial)  # weights: run.py's --weights
+    weights = R.open_weights(path, doc, weights, allow_partial, weights_prefix)  # run.py's --weights(-prefix)
     ref = torch.load(path / doc["reference"]["file"], weights_only=True) if check else None
 
     def rank_fn(rank):
@@ -740,7 +740,7 @@ def simulate_run(path, *argv: str) -> list:
         raise ExportError("simulate_run runs the training loop: give --steps N and a loop option (--data, --ckpt, ...)")
     user = None if loop.get("data") else R.load_inputs(path, doc, synthetic=args.synthetic, path=args.inputs,
                                                         seed=args.seed)
-    weights = R.open_weights(path, doc, args.weights)
+    weights = R.open_weights(path, doc, args.weights, args.allow_partial, args.weights_prefix)
     lines: list = []
 
     def rank_fn(rank):

@@ -1,0 +1,207 @@
+"""``run.py --weights SRC`` from safetensors: a ``.safetensors`` file and a Hugging Face
+``save_pretrained`` directory (one ``model.safetensors``, or shards with
+``model.safetensors.index.json``), each rank reading only the regions it holds.
+
+The expected values are never computed by the code under test: losses come from the export of
+the same model built with real weights (its weights inside the export), and a rank's blocks from
+``autoshard.ownership.local_piece`` on the real model's tensors. Exactness is bit for bit: the
+same program on the same bits must give the same bits.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import safetensors  # noqa: E402
+import safetensors.torch  # noqa: E402
+
+import autoshard  # noqa: E402
+from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.passes.export import simulate_export, simulate_run  # noqa: E402
+from autoshard.runtime.simulated import run_simulated  # noqa: E402
+
+import hf_zoo  # noqa: E402
+from test_meta_export import DIMS, LAYOUT, MESH, hf_llama, plan_of  # noqa: E402
+
+# the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
+SHARD_SIZE = "20KB"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """The real model's export, the meta model's (no weights), and the real model saved by
+    ``save_pretrained`` sharded and as one file."""
+    tmp = tmp_path_factory.mktemp("hf_weights")
+    real, kwargs = hf_llama()
+    real.save_pretrained(tmp / "sharded", max_shard_size=SHARD_SIZE)
+    real.save_pretrained(tmp / "single")
+    real_path = plan_of(real, kwargs).export(tmp / "real", kwargs=kwargs)
+    meta, meta_kwargs = hf_llama("meta")
+    meta_path = plan_of(meta, meta_kwargs).export(tmp / "meta", kwargs=kwargs)
+    return dict(real=real_path, meta=meta_path, sharded=tmp / "sharded", single=tmp / "single", model=real,
+                tmp=tmp, want=simulate_export(real_path, steps=3))
+
+
+def test_save_pretrained_wrote_shards_and_an_index(hf):
+    shards = sorted(p.name for p in hf["sharded"].glob("model-*.safetensors"))
+    assert len(shards) > 2 and (hf["sharded"] / "model.safetensors.index.json").is_file()
+    assert [p.name for p in hf["single"].glob("*.safetensors")] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("src", ["sharded", "single", "single/model.safetensors"])
+def test_meta_export_from_hf_weights_trains_like_the_real_export_bit_for_bit(hf, src):
+    want = hf["want"]
+    got = simulate_export(hf["meta"], steps=3, weights=hf["tmp"] / src)
+    assert len(want[0]["losses"]) == 3
+    for g, w in zip(got, want, strict=True):
+        assert g["losses"] == w["losses"]
+        assert g["grads"].keys() == w["grads"].keys()
+        assert all(torch.equal(g["grads"][k], w["grads"][k]) for k in w["grads"])
+
+
+def test_run_py_options_take_a_hf_directory(hf, tmp_path):
+    tokens = torch.randint(3, hf_zoo.DECODER["vocab_size"], (4096,), generator=torch.Generator().manual_seed(2))
+    data = tmp_path / "tokens.bin"
+    tokens.to(torch.int32).numpy().tofile(data)
+    argv = ["--steps", "3", "--data", str(data)]
+    want = simulate_run(hf["real"], *argv)
+    got = simulate_run(hf["meta"], *argv, "--weights", str(hf["sharded"]))
+    assert len(want[0]["losses"]) == 3 and got[0]["losses"] == want[0]["losses"]
+
+
+def test_each_rank_reads_only_its_own_blocks(hf, monkeypatch):
+    """Every region read from the files is a block the reading rank keeps (so a rank holds its
+    shard and, while one is copied, one more block: never a whole sharded tensor), and the
+    blocks are the real model's."""
+    reads: dict = {}
+    who = threading.local()
+    real_open = safetensors.safe_open
+
+    class Slice:
+        def __init__(self, sl, key):
+            self.sl, self.key = sl, key
+
+        def __getitem__(self, index):
+            t = self.sl[index]
+            reads.setdefault(who.rank, []).append((self.key, t))
+            return t
+
+        def __getattr__(self, name):  # get_shape, get_dtype: the header, no data
+            return getattr(self.sl, name)
+
+    class Opened:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, key):
+            return Slice(self.f.get_slice(key), key)
+
+        def get_tensor(self, key):
+            t = self.f.get_tensor(key)
+            reads.setdefault(who.rank, []).append((key, t))
+            return t
+
+    monkeypatch.setattr(safetensors, "safe_open", Opened)
+    doc = R.read_plan(hf["meta"])
+    weights = R.open_weights(hf["meta"], doc, hf["sharded"])
+    assert not reads  # opening reads the headers only
+    program = R.load_programs(hf["meta"], doc)
+    mesh = autoshard.Mesh(doc["mesh"])
+
+    def rank_fn(rank):
+        who.rank = rank
+        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), True)
+        return {rp.local.fqn_of[n]: p.detach() for n, p in rp.local.named_parameters()}
+
+    kept = run_simulated(mesh, rank_fn)
+    state = hf["model"].state_dict()
+    sharded = 0
+    for rank, params in enumerate(kept):
+        got = reads[rank]
+        assert sorted(k for k, _ in got) == sorted(params)  # one read per parameter, nothing else
+        for key, t in got:
+            assert torch.equal(t, params[key])
+            sharded += t.numel() < state[key].numel()
+    assert sharded  # tp shards some tensors: their reads are blocks, not the whole tensor
+    read_bytes = sum(t.nbytes for got in reads.values() for _, t in got)
+    kept_bytes = sum(p.nbytes for params in kept for p in params.values())
+    assert read_bytes == kept_bytes
+
+
+def test_missing_keys_are_one_line_before_the_process_group(hf, tmp_path, monkeypatch, capsys):
+    state = {k: v.contiguous() for k, v in hf["model"].state_dict().items() if k != "model.norm.weight"}
+    safetensors.torch.save_file(state, tmp_path / "partial.safetensors")
+    doc = R.read_plan(hf["meta"])
+    with pytest.raises(R.RunError, match=r"missing 1 parameter\(s\) \(model\.norm\.weight\)") as e:
+        R.open_weights(hf["meta"], doc, tmp_path / "partial.safetensors")
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert R.main(["--steps", "1", "--weights", str(tmp_path / "partial.safetensors")], root=hf["meta"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "missing 1 parameter(s) (model.norm.weight)" in err, err
+    # a directory that is no HF checkpoint, and a shard its index lists but that is gone
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(R.RunError, match=r"without model\.safetensors or model\.safetensors\.index\.json"):
+        R.open_weights(hf["meta"], doc, tmp_path / "empty")
+
+
+class Wrapped(nn.Module):
+    """A training module that holds the HF model as an attribute: the plan's FQNs are the
+    checkpoint's keys under ``model.``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.model = inner
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def test_weights_prefix_maps_a_wrapped_models_names_to_the_checkpoint(hf):
+    real, kwargs = hf_llama()
+    meta, meta_kwargs = hf_llama("meta")
+    dims = {k if k.startswith("*") or k in hf_zoo.TOKENS else "model." + k: v for k, v in DIMS.items()}
+    plans = {name: autoshard.autoshard(Wrapped(m), (), kwargs=kw, mesh=autoshard.Mesh(MESH), dims=dims,
+                                       layout=LAYOUT, train=True)
+             for name, m, kw in (("real", real, kwargs), ("meta", meta, meta_kwargs))}
+    real_path = plans["real"].export(hf["tmp"] / "wrapped_real", kwargs=kwargs)
+    meta_path = plans["meta"].export(hf["tmp"] / "wrapped_meta", kwargs=kwargs)
+    doc = R.read_plan(meta_path)
+    with pytest.raises(R.RunError, match=r"--weights-prefix model\b") as e:
+        R.open_weights(meta_path, doc, hf["sharded"])
+    assert "\n" not in str(e.value)
+    want = simulate_export(real_path, steps=3)
+    for prefix in ("model", "model."):
+        got = simulate_export(meta_path, steps=3, weights=hf["sharded"], weights_prefix=prefix)
+        assert len(want[0]["losses"]) == 3 and got[0]["losses"] == want[0]["losses"]
+
+
+def test_a_float_checkpoint_of_another_dtype_converts_block_by_block(hf, tmp_path):
+    """A bf16 plan from an fp32 checkpoint: each block converts as it is read, as the real
+    bf16 model's export holds ``real.to(bfloat16)``'s weights."""
+    real, kwargs = hf_llama(dtype=torch.bfloat16)
+    want = simulate_export(plan_of(real, kwargs).export(tmp_path / "real", kwargs=kwargs), steps=2)
+    meta, meta_kwargs = hf_llama("meta", dtype=torch.bfloat16)
+    meta_path = plan_of(meta, meta_kwargs).export(tmp_path / "meta", kwargs=kwargs)
+    got = simulate_export(meta_path, steps=2, weights=hf["sharded"])  # fp32 files
+    assert len(want[0]["losses"]) == 2 and got[0]["losses"] == want[0]["losses"]
