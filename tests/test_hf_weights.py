@@ -205,3 +205,18 @@ def test_a_float_checkpoint_of_another_dtype_converts_block_by_block(hf, tmp_pat
     meta_path = plan_of(meta, meta_kwargs).export(tmp_path / "meta", kwargs=kwargs)
     got = simulate_export(meta_path, steps=2, weights=hf["sharded"])  # fp32 files
     assert len(want[0]["losses"]) == 2 and got[0]["losses"] == want[0]["losses"]
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_zero_stages_read_their_stored_blocks_from_the_files(hf, tmp_path, zero_stage):
+    """ZeRO-3 stores each parameter sharded on the data axis too; ZeRO-2 keeps a full copy where
+    it is used and a shard of it (its block is read at the use placement, then narrowed)."""
+    paths = {}
+    for name in ("real", "meta"):
+        model, kw = hf_llama("meta" if name == "meta" else None)
+        plan = autoshard.autoshard(model, (), kwargs=kw, mesh=autoshard.Mesh(MESH), dims=DIMS, layout=LAYOUT,
+                                   train=True, zero_stage=zero_stage)
+        paths[name] = plan.export(tmp_path / name, kwargs=hf_llama()[1])
+    want = simulate_export(paths["real"], steps=3)
+    got = simulate_export(paths["meta"], steps=3, weights=hf["sharded"])
+    assert len(want[0]["losses"]) == 3 and [g["losses"] for g in got] == [w["losses"] for w in want]
