@@ -9,6 +9,7 @@ same program on the same bits must give the same bits.
 """
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -26,7 +27,7 @@ import safetensors.torch  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.passes import export_runner as R  # noqa: E402
-from autoshard.passes.export import simulate_export, simulate_run  # noqa: E402
+from autoshard.passes.export import run_torchrun, simulate_export, simulate_run  # noqa: E402
 from autoshard.runtime.simulated import run_simulated  # noqa: E402
 
 import hf_zoo  # noqa: E402
@@ -220,3 +221,17 @@ def test_zero_stages_read_their_stored_blocks_from_the_files(hf, tmp_path, zero_
     want = simulate_export(paths["real"], steps=3)
     got = simulate_export(paths["meta"], steps=3, weights=hf["sharded"])
     assert len(want[0]["losses"]) == 3 and [g["losses"] for g in got] == [w["losses"] for w in want]
+
+
+@pytest.mark.slow
+def test_torchrun_meta_export_from_a_sharded_hf_directory_equals_the_real_export(hf, tmp_path):
+    """4 gloo processes, each opening the shards and reading its own blocks."""
+    losses = {}
+    for name, extra in (("real", []), ("meta", ["--weights", str(hf["sharded"])])):
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = run_torchrun(hf[name], 4, "--steps", "3", "--metrics", str(metrics), *extra, timeout=180,
+                            capture=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses["real"]) == 3
+    assert losses["meta"] == losses["real"]
