@@ -319,7 +319,8 @@ class Weights:
             why = (doc.get("missing") or {}).get("weights") or "the export was made without weights"
             raise RunError(f"this export has no weights: {why} (hint: run.py --weights SRC)")
         if ckpt:
-            state = read_checkpoint(ckpt, prefix)
+            # the export's checkpoint comes with the export's prefix; a --weights one with its own
+            state = read_checkpoint(ckpt, prefix if checkpoint else w.get("prefix"))
             self.partial_note = check_checkpoint_keys(state, doc, ckpt, allow_partial)
             sources.append(state)
         for name, what in files:
@@ -390,7 +391,7 @@ def _names(keys, n: int = 4) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
-def _common_prefix_fix(unexpected, missing) -> str:
+def _common_prefix_fix(unexpected, missing, prefix_option: str = "run with --weights-prefix {}") -> str:
     """``"strip the prefix 'model.'"`` when removing one dotted prefix from the unexpected keys
     gives the missing ones; '' otherwise."""
     prefixes = {k.split(".", 1)[0] + "." for k in unexpected if "." in k}
@@ -401,7 +402,7 @@ def _common_prefix_fix(unexpected, missing) -> str:
     # the other way round: the planned module holds the checkpoint's model under an attribute
     for pre in sorted({k.split(".", 1)[0] + "." for k in missing if "." in k}):
         if {k[len(pre):] for k in missing if k.startswith(pre)} & set(unexpected):
-            return f"the program's names carry the prefix {pre!r} its keys lack: run with --weights-prefix {pre[:-1]}"
+            return f"the program's names carry the prefix {pre!r} its keys lack: " + prefix_option.format(pre[:-1])
     return ""
 
 

@@ -26,6 +26,7 @@ import safetensors  # noqa: E402
 import safetensors.torch  # noqa: E402
 
 import autoshard  # noqa: E402
+import autoshard.passes.export  # noqa: E402
 from autoshard.passes import export_runner as R  # noqa: E402
 from autoshard.passes.export import run_torchrun, simulate_export, simulate_run  # noqa: E402
 from autoshard.runtime.simulated import run_simulated  # noqa: E402
@@ -195,6 +196,14 @@ def test_weights_prefix_maps_a_wrapped_models_names_to_the_checkpoint(hf):
     for prefix in ("model", "model."):
         got = simulate_export(meta_path, steps=3, weights=hf["sharded"], weights_prefix=prefix)
         assert len(want[0]["losses"]) == 3 and got[0]["losses"] == want[0]["losses"]
+    # the same at export: the checkpoint and its prefix recorded in plan.json, checked there
+    with pytest.raises(autoshard.passes.export.ExportError, match=r"give weights_prefix='model'\)$"):
+        plans["meta"].export(hf["tmp"] / "wrapped_bad", kwargs=kwargs, weights=hf["sharded"])
+    pointed = plans["meta"].export(hf["tmp"] / "wrapped_src", kwargs=kwargs, weights=hf["sharded"],
+                                   weights_prefix="model")
+    assert R.read_plan(pointed)["weights"]["prefix"] == "model"
+    got = simulate_export(pointed, steps=3)
+    assert got[0]["losses"] == want[0]["losses"]
 
 
 def test_a_float_checkpoint_of_another_dtype_converts_block_by_block(hf, tmp_path):
