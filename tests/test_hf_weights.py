@@ -32,6 +32,7 @@ from autoshard.passes.export import run_torchrun, simulate_export, simulate_run 
 from autoshard.runtime.simulated import run_simulated  # noqa: E402
 
 import hf_zoo  # noqa: E402
+from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
 from test_meta_export import DIMS, LAYOUT, MESH, hf_llama, plan_of  # noqa: E402
 
 # the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
@@ -244,3 +245,23 @@ def test_torchrun_meta_export_from_a_sharded_hf_directory_equals_the_real_export
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses["real"]) == 3
     assert losses["meta"] == losses["real"]
+
+
+def test_tied_embeddings_saved_once_are_found_under_either_name(tmp_path):
+    """save_pretrained writes a tied head once (``model.embed_tokens.weight``); the plan's
+    alias of the tied pair finds it."""
+    cfg = AutoConfig.for_model("llama", **{**hf_zoo.DECODER, "tie_word_embeddings": True})
+    models = {}
+    for dev in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(dev):
+            models[dev] = LlamaForCausalLM(cfg).eval()
+    models["cpu"].save_pretrained(tmp_path / "hf", max_shard_size=SHARD_SIZE)
+    _, kwargs = hf_llama()
+    weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in weight_map and "model.embed_tokens.weight" in weight_map
+    want = simulate_export(plan_of(models["cpu"], kwargs).export(tmp_path / "real", kwargs=kwargs), steps=3)
+    meta_kwargs = {k: v.to("meta") for k, v in kwargs.items()}
+    meta_path = plan_of(models["meta"], meta_kwargs).export(tmp_path / "meta", kwargs=kwargs)
+    got = simulate_export(meta_path, steps=3, weights=tmp_path / "hf")
+    assert len(want[0]["losses"]) == 3 and got[0]["losses"] == want[0]["losses"]
