@@ -265,3 +265,52 @@ def test_tied_embeddings_saved_once_are_found_under_either_name(tmp_path):
     meta_path = plan_of(models["meta"], meta_kwargs).export(tmp_path / "meta", kwargs=kwargs)
     got = simulate_export(meta_path, steps=3, weights=tmp_path / "hf")
     assert len(want[0]["losses"]) == 3 and got[0]["losses"] == want[0]["losses"]
+
+
+_LOAD_RANK0 = """
+import json, sys, torch
+from pathlib import Path
+import autoshard
+from autoshard.passes import export_runner as R
+from autoshard.runtime.simulated import run_simulated
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+path, src = Path(sys.argv[1]), Path(sys.argv[2])
+doc = R.read_plan(path); weights = R.open_weights(path, doc, src); program = R.load_programs(path, doc)
+mesh = autoshard.Mesh(doc["mesh"])
+before, out = status("VmRSS"), {}
+def fn(rank):
+    if rank == 0:  # one rank's load, as one run.py process does it
+        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), True)
+        out["kept"] = sum(t.nbytes for t in list(rp.local.parameters()) + list(rp.local.buffers()))
+run_simulated(mesh, fn)
+print(json.dumps({"kept": out["kept"], "grown": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.slow
+def test_a_ranks_loading_peak_is_its_shard_plus_one_tensor(tmp_path):
+    """The whole-process high-water mark (VmHWM: heap and mapped file pages) of a fresh process
+    loading rank 0 of a tp=4 export from a sharded HF directory grows by at most its own shard
+    plus the largest tensor, plus 20 % for the allocator's and the reader's slack."""
+    import subprocess
+    # layers dominate (a small vocabulary), so a rank that read whole tensors would exceed the bound
+    cfg = AutoConfig.for_model("llama", **{**hf_zoo.DECODER, "vocab_size": 1024, "hidden_size": 512,
+                                           "intermediate_size": 2048, "num_hidden_layers": 8})
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf", max_shard_size="20MB")
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    ids = torch.randint(3, cfg.vocab_size, (hf_zoo.BATCH, hf_zoo.SEQ))
+    plan = autoshard.autoshard(meta, (), kwargs={"input_ids": ids.to("meta"), "labels": ids.to("meta")},
+                               mesh=autoshard.Mesh({"tp": 4}), dims=DIMS,
+                               layout={"heads": "tp", "kv_heads": "tp", "ffn": "tp"}, train=True)
+    path = plan.export(tmp_path / "meta", kwargs={"input_ids": ids, "labels": ids})
+    proc = subprocess.run([sys.executable, "-c", _LOAD_RANK0, str(path), str(tmp_path / "hf")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    largest = max(t.nbytes for t in meta.state_dict().values())
+    total = sum(t.nbytes for t in meta.state_dict().values())
+    bound = 1.2 * (got["kept"] + largest)
+    assert bound < total / 2  # the check tells a rank's shard from the whole model
+    assert got["grown"] <= bound, (got, largest, total)
