@@ -302,8 +302,9 @@ def read_checkpoint(src, prefix: str | None = None) -> dict:
 
 
 class Weights:
-    """Tensors by FQN from the weights file (and a checkpoint, for parameters), memory-mapped:
-    a rank's slice of a tensor reads only the pages of that slice. An export of a model planned
+    """Tensors by FQN from the weights file (and a checkpoint, for parameters: see
+    :func:`read_checkpoint`), memory-mapped or, from safetensors, read by region: a rank's
+    slice of a tensor reads only that slice. An export of a model planned
     on the meta device has no weights file: parameters come from the checkpoint, and the
     buffers no checkpoint has from ``buffers.pt`` (recomputed at export)."""
 
