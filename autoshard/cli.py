@@ -278,7 +278,7 @@ def _export(plan, args, kwargs, out, ns):
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.passes.export import export_plan
 
-    return export_plan(plan, out, args, kwargs, weights=ns.weights,
+    return export_plan(plan, out, args, kwargs, weights=ns.weights, weights_prefix=ns.weights_prefix,
                        reference=False if ns.no_reference else None, overwrite=ns.force)
 
 
@@ -385,8 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_explain)
 
     def exporting(sp):
-        sp.add_argument("--weights", help="checkpoint (state dict by parameter name) run.py slices instead of "
-                                          "the model's weights")
+        sp.add_argument("--weights", help="checkpoint run.py slices instead of the model's weights: a state dict "
+                                          "by parameter name, a .safetensors file or a save_pretrained directory")
+        sp.add_argument("--weights-prefix", metavar="PREFIX",
+                        help="with --weights: the FQN under which the checkpoint's keys live in the model")
         sp.add_argument("--no-reference", action="store_true", help="do not save references for --check")
 
     sp = sub.add_parser("export", help="write a directory runnable with torchrun")

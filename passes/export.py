@@ -483,16 +483,18 @@ def _state_bytes(plan) -> int:
     return sum(t.numel() * t.element_size() for t in plan.captured.state.values() if isinstance(t, torch.Tensor))
 
 
-def _check_checkpoint(path: Path, plan, inputs_meta, needed: set) -> list:
-    """Names the program needs that the checkpoint lacks (aliases of tied weights accepted):
-    its parameters, and ``needed`` (a meta model's persistent buffers)."""
+KEYS_HINT = "keys must be the model's parameter names"
+
+
+def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -> tuple:
+    """(names the program needs that the checkpoint lacks (aliases of tied weights accepted):
+    its parameters, and ``needed`` (a meta model's persistent buffers); the hint for a prefix
+    that would fix them, or ''). The checkpoint is read as run.py reads it (a safetensors
+    source: its headers only)."""
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ExportError(f"cannot read checkpoint {path}: {e} (hint: it must be a state dict saved "
-                          f"with torch.save, loadable with weights_only=True)") from e
-    if not isinstance(state, dict):
-        raise ExportError(f"checkpoint {path} holds a {type(state).__name__}, not a state dict")
+        state = export_runner.read_checkpoint(path, prefix)
+    except export_runner.RunError as e:
+        raise ExportError(str(e)) from None
     reverse: dict = {}
     for alias, kept in plan.captured.aliases.items():
         reverse.setdefault(kept, []).append(alias)
@@ -506,7 +508,9 @@ def _check_checkpoint(path: Path, plan, inputs_meta, needed: set) -> list:
             elif list(state[hit].shape) != m["shape"]:
                 raise ExportError(f"checkpoint {path}: {hit} has shape {list(state[hit].shape)}, the model "
                                   f"has {m['shape']}")
-    return missing
+    known = {n for m in inputs_meta for n in [m["target"]] + reverse.get(m["target"], [])}
+    fix = export_runner._common_prefix_fix([k for k in state if k not in known], missing, "give weights_prefix={!r}")
+    return missing, fix
 
 
 WHY_NO_WEIGHTS = ("the model was planned on the meta device: its parameters must come from run.py --weights SRC "
@@ -560,17 +564,21 @@ def _meta_model_buffers(plan, inputs_meta, given: Optional[dict]) -> dict:
 
 def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: Optional[bool] = None,
                 reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False,
-                buffers: Optional[dict] = None) -> Path:
+                buffers: Optional[dict] = None, weights_prefix: Optional[str] = None) -> Path:
     """Write ``plan`` to the directory ``path`` (see the module docstring); returns its path.
 
     - ``args``/``kwargs``: example inputs, saved for ``run.py`` and used for references; without
       them run.py needs ``--synthetic`` (random inputs of the planned shapes) or ``--inputs``.
     - ``weights``: None exports the model's parameters and buffers to ``weights.pt``; a path
-      names a checkpoint (a state dict by parameter FQN, loadable with ``weights_only=True``)
-      that run.py slices instead (buffers it lacks are still exported). A model on the meta
+      names a checkpoint (a state dict by parameter FQN, loadable with ``weights_only=True``,
+      a ``.safetensors`` file or a Hugging Face ``save_pretrained`` directory) that run.py
+      slices instead (buffers it lacks are still exported). A model on the meta
       device writes no weights: its non-persistent buffers are recomputed on the CPU
       (:mod:`autoshard.passes.buffers`) into ``buffers.pt``, and parameters and persistent
       buffers come from ``weights`` or ``run.py --weights SRC``.
+    - ``weights_prefix``: with ``weights``, the FQN under which the checkpoint's keys live in
+      the planned module (prepended to them: ``"model"`` when it holds the HF model as
+      ``self.model``), as ``run.py --weights-prefix``; recorded in plan.json.
     - ``buffers``: for a meta model, ``{FQN: tensor}`` values of non-persistent buffers that
       cannot be recomputed (their owner keeps no constructor arguments); shape and dtype checked.
     - ``reference``: save the unsharded model's outputs, gradients and ``reference_steps``
@@ -594,8 +602,10 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
     checkpoint = None
     if weights is not None:
         checkpoint = Path(weights).resolve()
-        if not checkpoint.is_file():
+        if not checkpoint.exists():
             raise ExportError(f"weights checkpoint {weights} does not exist")
+    elif weights_prefix:
+        raise ExportError("weights_prefix applies to weights=SRC (the checkpoint whose keys it prefixes)")
     if reference is None:
         reference = has_inputs and not meta_model and _state_bytes(plan) <= REFERENCE_LIMIT_BYTES
     why_no_reference = None if reference else (
@@ -614,10 +624,10 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
                           "has its own")
     if checkpoint is not None:
         needed = {m["target"] for m in inputs_meta if m["kind"] == "buffer"} - set(exported) if meta_model else set()
-        missing = _check_checkpoint(checkpoint, plan, inputs_meta, needed)
+        missing, fix = _check_checkpoint(checkpoint, plan, inputs_meta, needed, weights_prefix)
         if missing:
             raise ExportError(f"checkpoint {checkpoint} has no tensor for {len(missing)} parameter(s), e.g. "
-                              f"{missing[:3]} (hint: keys must be the model's parameter names)")
+                              f"{missing[:3]} (hint: {fix or KEYS_HINT})")
     pipelined = XP.is_pipelined(plan)
     if pipelined:  # a program file per stage; inputs described by the step's global batch
         XP.check_exportable(plan)
@@ -659,6 +669,8 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         doc = plan_json(plan, inputs_meta, weights_file=None if meta_model else WEIGHTS,
                         checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
                         reference=ref_meta, buffers_file=BUFFERS if meta_model else None)
+        if weights_prefix:
+            doc["weights"]["prefix"] = weights_prefix
         doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference,
                           "weights": WHY_NO_WEIGHTS if meta_model else None}
         if pipelined:
@@ -705,7 +717,7 @@ def load_program(path):
 
 
 def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float = 1e-3, check: bool = False,
-                    inputs=None, weights=None, allow_partial: bool = False) -> list:
+                    inputs=None, weights=None, allow_partial: bool = False, weights_prefix=None) -> list:
     """Run an exported directory on a simulated mesh (ranks as threads of this process), loading
     the program, weights and inputs exactly as run.py does: forward only, or ``steps`` training
     steps. Returns one dict per rank: ``outputs`` (flat, local; of the first step), ``grads``
@@ -719,7 +731,7 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     program = R.load_programs(path, doc)
     mesh = Mesh(doc["mesh"])
     user = inputs if inputs is not None else R.load_inputs(path, doc, synthetic=False)
-    weights = R.open_weights(path, doc, weights, allow_partial)  # weights: run.py's --weights
+    weights = R.open_weights(path, doc, weights, allow_partial, weights_prefix)  # run.py's --weights(-prefix)
     ref = torch.load(path / doc["reference"]["file"], weights_only=True) if check else None
 
     def rank_fn(rank):
@@ -752,7 +764,7 @@ def simulate_run(path, *argv: str) -> list:
         raise ExportError("simulate_run runs the training loop: give --steps N and a loop option (--data, --ckpt, ...)")
     user = None if loop.get("data") else R.load_inputs(path, doc, synthetic=args.synthetic, path=args.inputs,
                                                         seed=args.seed)
-    weights = R.open_weights(path, doc, args.weights)
+    weights = R.open_weights(path, doc, args.weights, args.allow_partial, args.weights_prefix)
     lines: list = []
 
     def rank_fn(rank):

@@ -15,6 +15,6 @@ assert tuple(int(v) for v in pytest.__version__.split('.')[:2]) < (9, 2)" 2>/dev
   # pytest-xdist runs the suite on every core (scripts/test.sh). pytest < 9.2: from 9.2 on,
   # pytest-xdist 3.8's --dist loadgroup silently stops grouping (pytest-xdist issue #1386), and
   # the multi-process tests would run two at a time (tests/test_suite_wiring.py checks it).
-  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate "pytest<9.2" pytest-xdist "transformers==5.24.0" expecttest
+  .venv/bin/pip install -q "torch==2.13.0" numpy sympy networkx tabulate safetensors "pytest<9.2" pytest-xdist "transformers==5.24.0" expecttest
   .venv/bin/pip install -q --no-build-isolation -e .
 fi

@@ -92,6 +92,28 @@ def check_slot(slot: Slot, value) -> None:
         check_input(slot.target, value, slot.shape, slot.dtype, slot.value, cast_floats=slot.dtype in LOW_PRECISION)
 
 
+class SliceSource:
+    """A global tensor that is read by region (a tensor of a safetensors file): ``lookup`` may
+    give one instead of a tensor, and each rank then reads only the block it holds, never the
+    whole tensor. Subclasses set ``shape`` and ``dtype`` and read ``local_piece``.
+
+    Example::
+
+        class Zeros(SliceSource):
+            shape, dtype = (8, 4), torch.float32
+            def local_piece(self, place, mesh, rank):
+                return local_piece(torch.zeros(self.shape), place, mesh, rank)
+    """
+
+    shape: tuple = ()
+    dtype: torch.dtype = torch.float32
+    is_meta = False
+
+    def local_piece(self, place, mesh, rank: int) -> torch.Tensor:
+        """The block ``rank`` holds under ``place`` (:func:`autoshard.ownership.local_piece`'s)."""
+        raise NotImplementedError
+
+
 class LocalModule(nn.Module):
     """One rank's program with its parameters, called like the model (inside a rank context).
 
@@ -109,23 +131,26 @@ class LocalModule(nn.Module):
             if slot.kind in ("user", "full"):
                 continue
             src = lookup(slot)
-            if not isinstance(src, torch.Tensor):
+            if isinstance(src, SliceSource):
+                block = src.local_piece  # reads only this rank's region of the file
+            elif isinstance(src, torch.Tensor):
+                if src.is_meta:  # torch's "Cannot copy out of meta tensor" names neither tensor nor fix
+                    raise ValueError(f"{slot.kind} {slot.target} is on the meta device (a shape, no data): its "
+                                     f"values must come from a checkpoint of the model with real weights")
+                block = lambda place, mesh, rank, src=src.detach(): local_piece(src, place, mesh, rank)  # noqa: E731
+            else:
                 self._values[slot.name] = src
                 continue
-            if src.is_meta:  # torch's "Cannot copy out of meta tensor" names neither tensor nor fix
-                raise ValueError(f"{slot.kind} {slot.target} is on the meta device (a shape, no data): its "
-                                 f"values must come from a checkpoint of the model with real weights")
-            src = src.detach()
             st = slot.storage
             if st is not None and st.mode == "persistent":
                 # The full copy is the parameter's memory; the trainable shard is a view of it.
-                full = local_piece(src, slot.use_placement, mesh, rank).to(device=device, copy=True)
+                full = block(slot.use_placement, mesh, rank).to(device=device, copy=True)
                 self.register_buffer(slot.name + "_full", full, persistent=False)
                 self._values[slot.name + "_full"] = full
                 n = full.shape[st.dim] // mesh.axes[st.axis]
                 piece = full.narrow(st.dim, mesh.coords(rank)[st.axis] * n, n)
             else:
-                piece = local_piece(src, slot.placement, mesh, rank).to(device=device, copy=True)
+                piece = block(slot.placement, mesh, rank).to(device=device, copy=True)
             if slot.kind == "parameter":
                 p = nn.Parameter(piece, requires_grad=slot.trainable)
                 self.register_parameter(slot.name, p)
