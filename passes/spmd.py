@@ -252,6 +252,7 @@ class _Rewriter:
         self.collectives: list = []
         self.fallbacks: list = []
         self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
+        self.joined: set = set()  # (node, axis): pending sums of branches joined with a whole operand
         self.soft_gathers: dict = {}  # (local node, axis) -> its one gather (soft entries)
         self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
         self.tag = 0
@@ -737,15 +738,22 @@ class _Rewriter:
                           if isinstance(self.place[get_path(node, path)][0][i], Partial)
                           and (get_path(node, path), a) not in self.summed]
             passthrough = False
+            if any((get_path(node, ix.inputs[j][0]), a) in self.joined and len(get_path(node, ix.inputs[j][0]).users) > 1
+                   for j in partial_in):
+                # a pending sum of joined branches (residual + attn + mlp) read by several ops (the
+                # next block's norm and its residual add): summed once where it forks, not once per
+                # branch it would flow on into
+                partial_in = []
             if partial_in:
                 if ix.joint:
                     # add/sub: every operand must be partial (mixing would add the whole one R
                     # times), so a whole operand becomes one on rank 0 (to_partial), where that
                     # sums no more than the partial ones would: residual + attn + mlp then pays
                     # one all-reduce for both branches
+                    joined = False
                     passthrough = all(j in ix.linear for j in partial_in) and (
                         len(partial_in) == len([j for j in ix.linear if j < n_in])
-                        or self.joins_pending_sums(node, ix, partial_in, a))
+                        or (joined := self.joins_pending_sums(node, ix, partial_in, a)))
                 else:
                     passthrough = len(partial_in) == 1 and partial_in[0] in ix.linear
                 if is_inplace(node.target) and 0 not in partial_in:
@@ -757,6 +765,8 @@ class _Rewriter:
                                                        or (ix.joint and j in ix.linear))) else R
             if passthrough:
                 varying_axes.add(a)
+                if (ix.joint and joined) or any((get_path(node, ix.inputs[j][0]), a) in self.joined for j in partial_in):
+                    self.joined.add((node, a))  # (and what it flows on into: a cast, a view)
             for k in range(len(ix.outputs)):
                 out_place[k][i] = P if passthrough else R
         args, kwargs = self.map_args(node, ix, targets, varying_axes, modes)

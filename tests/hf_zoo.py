@@ -52,6 +52,10 @@ class Arch:
     # or experts left whole on tp); 3 in a T5 decoder layer (cross-attention); OLMoE adds one
     # all-reduce of a [batch, seq, 1] variance each for its q/k norms, which span all heads
     tp_reduces: dict = field(default_factory=lambda: {"model.layers": 2})
+    # a parallel block written ``residual + attn + mlp`` keeps its output a pending sum (the
+    # residual kept on rank 0): it is summed once, where the next block's norm or the final norm
+    # reads it, so the all-reduces sit at those readers, one per block (tp_reduces is then empty)
+    tp_block_outputs: bool = False
     kind: str = "causal"  # causal | masked | seq2seq | image | speech
     note: str = ""
     cls: str = ""  # the transformers class, where the task's auto class has several for this config
@@ -188,7 +192,7 @@ ZOO = {a.name: a for a in [
          tp_reduces={"model.layers": 4}),
     # parallel attention + MLP (both read one norm, summed into the residual): 2 here, where one
     # all-reduce of their sum would do
-    Arch("cohere", "cohere", DECODER, LLAMA_DIMS, tp_reduces={"model.layers": (1, 2)}),
+    Arch("cohere", "cohere", DECODER, LLAMA_DIMS, tp_reduces={}, tp_block_outputs=True),
     Arch("starcoder2", "starcoder2", DECODER, {
         **ATTENTION_DIMS, **NORMS, "*.q_proj.bias": "heads", "*.k_proj.bias": "kv_heads", "*.v_proj.bias": "kv_heads",
         "*.o_proj.bias": "hidden", "*.c_fc.weight": "ffn hidden", "*.c_fc.bias": "ffn", "*.c_proj.weight": "hidden ffn",

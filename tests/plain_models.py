@@ -123,7 +123,8 @@ class CNN(nn.Module):
 
 
 CNN_DIMS = {"x": "batch channels height width", "labels": "batch", "conv1.weight": "c1 channels - -",
-            "bn1.*": "c1", "conv2.weight": "c2 c1 - -", "bn2.*": "c2", "fc.weight": "classes c2"}
+            "bn1.[wbr]*": "c1", "conv2.weight": "c2 c1 - -", "bn2.[wbr]*": "c2", "fc.weight": "classes c2"}
+# (bn*.[wbr]*: weight, bias and the running statistics; num_batches_tracked is a scalar)
 
 
 def _tokens(seed):

@@ -137,6 +137,11 @@ def assert_tp_reduces_per_block(plan, arch):
     """Forward tp all-reduces: the recorded count in every block (an architecture may record the
     counts it accepts, as a tuple), none outside the blocks."""
     reduces = forward(plan, "all_reduce", "tp")
+    if arch.tp_block_outputs:  # one per block, read by the next block's input norm or the final norm
+        readers = sorted(c.where for c in reduces)
+        norms = [m for m, _ in plan.model.named_modules() if m.endswith(("input_layernorm", "model.norm"))]
+        assert len(reduces) == hf_zoo.LAYERS and set(readers) <= set(norms), readers
+        return
     counted = 0
     for prefix, k in arch.tp_reduces.items():
         blocks = per_block(reduces, prefix)
