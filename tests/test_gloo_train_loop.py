@@ -29,6 +29,21 @@ def torchrun(path, *run_args):
     return proc.stdout
 
 
+def start_ranks(path, *run_args, nproc: int = 2, **popen):
+    """The processes of a job as torchrun starts them (RANK, WORLD_SIZE, ... set), without its
+    launcher, so the test can signal each and read its exit code."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(path / "run.py"), *run_args]
+    return [subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
+                                           WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), text=True, **popen)
+            for r in range(nproc)]
+
+
 def test_torchrun_resume_gives_the_same_losses_as_straight(tmp_path):
     model, args, dims = llama_tiny(with_labels=True)
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"},
@@ -149,19 +164,8 @@ def test_a_signalled_job_saves_its_step_and_resumes_bit_for_bit(tmp_path, sig):
     tokens = torch.randint(0, 64, (700,), generator=torch.Generator().manual_seed(3))
     tokens.numpy().astype(np.uint16).tofile(tmp_path / "tokens.bin")
     ck, opts = tmp_path / "ck", ["--data", str(tmp_path / "tokens.bin"), "--lr", "1e-2", "--total-steps", "1000"]
-    import socket
-
-    with socket.socket() as s:  # the processes as torchrun starts them, so the test sees each one's exit code
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, str(path / "run.py"), "--steps", "1000", "--ckpt", str(ck), "--metrics",
-           str(tmp_path / "a.jsonl"), *opts]
-    ranks = [subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r),
-                                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=r == 0, preexec_fn=None if r == 0 else None)
-             for r in range(2)]
+    ranks = start_ranks(path, "--steps", "1000", "--ckpt", str(ck), "--metrics", str(tmp_path / "a.jsonl"), *opts,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # each one's exit code is seen
     try:
         for line in ranks[0].stdout:
             if line.startswith("step 4/"):
@@ -186,3 +190,65 @@ def test_a_signalled_job_saves_its_step_and_resumes_bit_for_bit(tmp_path, sig):
     torchrun(path, "--steps", str(k + 3), "--metrics", str(tmp_path / "c.jsonl"), *opts)
     read = lambda name: [json.loads(l)["loss"] for l in (tmp_path / name).read_text().splitlines()]  # noqa: E731
     assert first + read("b.jsonl") == read("c.jsonl")  # bit for bit
+
+
+def test_a_job_killed_and_resumed_five_times_trains_like_one_that_never_stopped(tmp_path):
+    """1000 steps with a checkpoint every 50, the whole job killed (SIGKILL: no handler runs) 5
+    times at seeded random moments and resumed each time from its --ckpt directory: the losses
+    of the steps that count (each resumed run's, from its checkpoint on) are an uninterrupted
+    run's, bit for bit, and nothing of the jobs is left in /dev/shm."""
+    import random
+    import signal
+    import time
+
+    model, args, dims = llama_tiny(with_labels=True)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"},
+                               train=True)
+    path = plan.export(tmp_path / "out")
+    tokens = torch.randint(0, 64, (1000,), generator=torch.Generator().manual_seed(3))
+    tokens.numpy().astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    steps, ck = 1000, tmp_path / "ck"
+    opts = ["--data", str(tmp_path / "tokens.bin"), "--lr", "1e-3", "--total-steps", str(steps), "--lr-schedule",
+            "cosine", "--warmup", "20", "--save-every", "50", "--ckpt", str(ck)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    shm_before = {f for f in os.listdir("/dev/shm") if f.startswith("autoshard")}
+    rng = random.Random(0)
+    losses: dict = {}  # step -> loss of the run that last trained it
+    done, interrupted = 0, 0
+    for run in range(6):
+        resume = ["--resume", str(ck)] if done else []
+        metrics, log = tmp_path / f"m{run}.jsonl", tmp_path / f"out{run}.txt"
+        with open(log, "w") as out:
+            ranks = start_ranks(path, "--steps", str(steps - done), "--metrics", str(metrics), *resume, *opts,
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            if run < 5:
+                t0 = time.monotonic()
+                while not (metrics.is_file() and metrics.stat().st_size) and ranks[0].poll() is None \
+                        and time.monotonic() - t0 < 120:  # training has started (a line per step, flushed)
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0.0, 0.5))  # a random moment of the training
+                for p in ranks:
+                    p.kill()  # SIGKILL to every process of the job
+            for p in ranks:
+                p.wait(timeout=300)
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        assert metrics.is_file(), log.read_text()[-3000:]
+        for line in metrics.read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                break
+            losses[m["step"]] = m["loss"]
+        if run == 5:
+            assert [p.returncode for p in ranks] == [0, 0], log.read_text()[-3000:]
+        done = int(autoshard.runtime.checkpoint.resolve(ck).name.split("-")[1])  # the newest verified one
+        interrupted += run < 5 and done < steps
+    assert interrupted == 5 and done == steps and sorted(losses) == list(range(1, steps + 1))
+    torchrun(path, "--steps", str(steps), "--metrics", str(tmp_path / "straight.jsonl"), *opts[:-4])
+    straight = [json.loads(l)["loss"] for l in (tmp_path / "straight.jsonl").read_text().splitlines()]
+    assert [losses[s] for s in range(1, steps + 1)] == straight  # bit for bit
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("autoshard")} <= shm_before
