@@ -955,6 +955,10 @@ def run(root: Path, args) -> int:
     except RunError as e:
         if local_rank == 0:  # one message per node, not one per process
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the node's other processes at the first exit: give local rank 0,
+            # which found the same problem, the moment it needs to print it
+            time.sleep(2.0)
         return EXIT_USAGE
     doc, mesh = ctx["doc"], ctx["mesh"]
     if ctx["weights"].partial_note and local_rank == 0:
