@@ -49,6 +49,7 @@ from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import OPTIMIZERS, UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, SliceSource, Slot
 from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime import grad_accum
 from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 from autoshard.passes import export_pipeline_runner
@@ -501,13 +502,19 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
             raise RunError("this export has no saved inputs" + (f": {why}" if why else "")
                            + " (hint: run with --synthetic, or --inputs FILE)")
         path, what = root / doc["example_inputs"], "saved inputs file"
-    data = _load(Path(path), what)
+    flat = read_inputs_file(Path(path), what, users)
+    for m, x in zip(users, flat):
+        check_input(m, x)
+    return flat
+
+
+def read_inputs_file(path: Path, what: str, users: list) -> list:
+    """The flat inputs an inputs file holds (a list, or {"inputs": list}), one per user input."""
+    data = _load(path, what)
     flat = data.get("inputs") if isinstance(data, dict) else list(data) if isinstance(data, (list, tuple)) else None
     if flat is None or len(flat) != len(users):
         raise RunError(f"inputs file {path} must hold a list of {len(users)} inputs "
                        f"({', '.join(m['target'] for m in users)})")
-    for m, x in zip(users, flat):
-        check_input(m, x)
     return list(flat)
 
 
@@ -607,6 +614,14 @@ class RankProgram:
     def step_loss(self, loss) -> float:
         """The step's global loss from this rank's block (call on every rank)."""
         return global_sum(loss, self.doc["outputs"][self.doc["loss_output"]]["_place"], self.mesh)
+
+    def train_accumulated(self, microbatches: list, accum: dict) -> float:
+        """Forward and backward of the step's microbatches (``--grad-accum``: data-axis sums once,
+        with the last; see :mod:`autoshard.runtime.grad_accum`); the step's global loss."""
+        pieces = grad_accum.accumulate(self.local, microbatches, loss_index=self.doc["loss_output"],
+                                       reduction=accum["reduction"], normalizer=accum["normalizer"],
+                                       normalizer_inputs=accum["inputs"])
+        return math.fsum(w * self.step_loss(loss) for loss, w in pieces)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the gradients to the global 2-norm ``max_norm``; the norm before clipping."""
@@ -820,8 +835,7 @@ def prepare(root: Path, args) -> dict:
                        "models over 2 GiB skip them)")
     weights = open_weights(root, doc, args.weights, args.allow_partial, args.weights_prefix)
     loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
-    user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
-                                                      seed=args.seed)
+    user = None if loop.get("data") else load_step_inputs(root, doc, args)
     ref = None
     if args.check:
         if args.synthetic or args.inputs:
@@ -970,6 +984,8 @@ def run(root: Path, args) -> int:
     else:
         device = torch.device("cpu")
     ctx["program"].DEVICE = device
+    if (ctx["loop"].get("accum") or {}).get("module") is not None:
+        ctx["loop"]["accum"]["module"].DEVICE = device
     if "WORLD_SIZE" not in os.environ:  # `python run.py` on a one-rank mesh: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
@@ -1138,6 +1154,10 @@ def add_training_args(p) -> None:
     g.add_argument("--min-lr", type=float, default=0.0, help="the cosine schedule's final learning rate")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip gradients to this global 2-norm (over every shard and mesh axis)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="K planned batches per optimizer step (K x the tokens of --data; --inputs with K x the "
+                        "planned rows): gradients accumulate, data-axis sums run once per step, and the loss is "
+                        "that of the K batches together (a masked mean over all their valid tokens)")
     g.add_argument("--ckpt", help="directory for checkpoints: step-NNNNNN/ written at --save-every and at the end")
     g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (needs --ckpt)")
     g.add_argument("--resume", help="a checkpoint, or a --ckpt directory (its newest complete step-*): restores "
@@ -1214,7 +1234,7 @@ class Preemption:
 
 
 def uses_training_loop(args) -> bool:
-    return bool(args.data or args.ckpt or args.resume or args.save_every or args.metrics
+    return bool(args.data or args.ckpt or args.resume or args.save_every or args.metrics or args.grad_accum != 1
                 or args.clip_grad_norm is not None or args.lr_schedule != "constant" or args.total_steps)
 
 
@@ -1233,8 +1253,9 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
         raise RunError("--save-every needs --ckpt DIR")
     if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
         raise RunError("--clip-grad-norm must be > 0")
+    accum = grad_accum_setup(root, doc, args)
     loop = {"schedule": {"kind": args.lr_schedule, "warmup": args.warmup, "total": args.total_steps,
-                         "min_lr": args.min_lr, "lr": args.lr}}
+                         "min_lr": args.min_lr, "lr": args.lr}, "accum": accum}
     if args.data:
         if args.synthetic or args.inputs:
             raise RunError("--data excludes --synthetic and --inputs")
@@ -1260,6 +1281,79 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
                 loop["warnings"].append(f"--ckpt {args.ckpt} was held by a job that ended without releasing it "
                                         f"({ckpt.describe_holder(dead)}); this job takes it over")
     return loop
+
+
+def grad_accum_setup(root: Path, doc: dict, args):
+    """``--grad-accum K``: None for K = 1; else how the step adds up its K microbatches (plan.json's
+    ``accumulation``: the loss's reduction, and the count program of a masked mean), where its
+    microbatches come from; RunError where it cannot apply (a pipelined export, a loss whose
+    K-batch value does not follow from the microbatches')."""
+    k = args.grad_accum
+    if k < 1:
+        raise RunError("--grad-accum must be >= 1")
+    if k == 1:
+        return None
+    if doc.get("pipeline"):
+        m = doc["pipeline"].get("microbatches", 1)
+        raise RunError(f"--grad-accum applies to unpipelined exports; a pipelined one already accumulates its {m} "
+                       f"microbatches per step (hint: export with microbatches={m * k} for {k} times the batch)")
+    acc = doc.get("accumulation")
+    if not isinstance(acc, dict):
+        raise RunError("--grad-accum: plan.json does not say how the loss adds up over microbatches (hint: export "
+                       "the plan again with this autoshard)")
+    reduction = acc.get("reduction")
+    if reduction is None:
+        raise RunError(f"--grad-accum: the loss (output {doc['loss_output']}) does not end in a sum, a mean or a "
+                       f"masked mean (sum / a count from the inputs) over the batch, so the loss of {k} batches "
+                       f"together does not follow from theirs exactly (hint: end the loss in x.sum(), x.mean() or "
+                       f"F.cross_entropy(...))")
+    if reduction not in grad_accum.REDUCTIONS:
+        raise RunError(f"plan.json is corrupted: accumulation reduction {reduction!r} (hint: export the plan again)")
+    module, inputs = None, []
+    if reduction == "count":
+        norm = acc.get("normalizer") or {}
+        names = {m["name"] for m in doc["inputs"]}
+        inputs = norm.get("inputs")
+        if not isinstance(norm.get("file"), str) or not isinstance(inputs, list) or not set(inputs) <= names:
+            raise RunError("plan.json is corrupted: the accumulation's normalizer does not name a file and the "
+                           "program's inputs (hint: export the plan again)")
+        module = load_program(root, norm["file"])
+    source = ("--data: the next K planned batches of tokens" if args.data else
+              f"--inputs: {k} blocks of rows of each input" if args.inputs else
+              f"--synthetic: {k} random batches, seeds {args.seed} to {args.seed + k - 1}" if args.synthetic else
+              f"the saved inputs, {k} times")
+    return {"k": k, "reduction": reduction, "module": module, "normalizer": module.forward if module else None,
+            "inputs": list(inputs), "source": source}
+
+
+def load_step_inputs(root: Path, doc: dict, args) -> list:
+    """One step's user inputs without ``--data``: the flat global inputs (:func:`load_inputs`),
+    or with ``--grad-accum K`` K of them: ``--inputs FILE`` holds K x the planned rows of every
+    input with a batch dim (the K batches joined on dim 0), cut into K consecutive blocks;
+    ``--synthetic`` draws K batches (seeds ``--seed``, ``--seed + 1``, ...); the saved inputs
+    are taken K times (the same gradient, accumulated)."""
+    k = args.grad_accum
+    if k == 1:
+        return load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs, seed=args.seed)
+    if args.synthetic:
+        return [load_inputs(root, doc, synthetic=True, seed=args.seed + j) for j in range(k)]
+    if not args.inputs:
+        return [load_inputs(root, doc, synthetic=False)] * k
+    users = [m for m in doc["inputs"] if m["kind"] == "user"]
+    flat = read_inputs_file(Path(args.inputs), "inputs file", users)
+    for m, x in zip(users, flat):
+        if m.get("shape") and isinstance(x, torch.Tensor) and x.dim() == len(m["shape"]) \
+                and x.shape[0] != k * m["shape"][0]:
+            raise RunError(f"input {m['target']} has {x.shape[0]} rows; --grad-accum {k} needs {k} x the planned "
+                           f"{m['shape'][0]} = {k * m['shape'][0]} (the {k} batches joined on dim 0)")
+    try:
+        microbatches = grad_accum.split_rows(flat, k, [f"input {m['target']}" for m in users])
+    except ValueError as e:
+        raise RunError(f"--grad-accum {k}: {e} (the {k} batches joined on dim 0)") from None
+    for mb in microbatches:
+        for m, x in zip(users, mb):
+            check_input(m, x)
+    return microbatches
 
 
 def resume_mismatches(path: Path, manifest: dict, args) -> list:
@@ -1465,9 +1559,11 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
         if extra.get("scheduler"):
             scheduler.load_state_dict(extra["scheduler"])
         say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
-    data, end = loop.get("data"), start + args.steps
+    data, end, accum = loop.get("data"), start + args.steps, loop.get("accum")
     data_id = ckpt.data_identity(data.path) if data else None
-    tokens = data.per_batch if data else None
+    tokens = data.per_batch * (accum["k"] if accum else 1) if data else None
+    if accum:
+        say(f"gradient accumulation: {accum['k']} microbatches per optimizer step ({accum['source']})")
     info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
             "state_dict_keys": doc.get("state_dict_keys")}
     metrics = open(args.metrics, "a") if args.metrics and rp.rank == 0 else None
@@ -1480,12 +1576,20 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             preemption.__enter__()
         for step in range(start + 1, end + 1):
             t0 = time.perf_counter()
-            if data:
-                user, pos = data.batch(pos, mesh, rp.rank)
-            loss = rp.train_step(user)
+            if accum:  # --grad-accum K: K planned batches, data-axis sums with the last
+                microbatches = user
+                if data:
+                    microbatches = []
+                    for _ in range(accum["k"]):
+                        mb, pos = data.batch(pos, mesh, rp.rank)
+                        microbatches.append(mb)
+                value = rp.train_accumulated(microbatches, accum)
+            else:
+                if data:
+                    user, pos = data.batch(pos, mesh, rp.rank)
+                value = rp.step_loss(rp.train_step(user))
             norm = rp.clip_grad_norm_(args.clip_grad_norm) if args.clip_grad_norm is not None else None
             lr = opt.inner.param_groups[0]["lr"]
-            value = rp.step_loss(loss)
             skipped = nonfinite_step(rp, step, value, norm, args.nan_policy)
             if skipped:
                 opt.zero_grad(set_to_none=True)
@@ -1518,7 +1622,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
                     check_finite_state(rp, step, path)
                 ckpt.save(rp.local, opt, path, step=step, info=info,
                           extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict(),
-                                 "optimizer": args.optimizer, "data": data_id})
+                                 "optimizer": args.optimizer, "data": data_id,
+                                 "grad_accum": accum["k"] if accum else 1})
                 say(f"saved checkpoint {path}")
             if stop:
                 say(f"stopping on {signal.Signals(preemption.signum).name} after step {step}: its checkpoint is "

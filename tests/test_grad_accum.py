@@ -1,0 +1,184 @@
+"""run.py --grad-accum K on the simulated mesh (``simulate_run`` loads everything as run.py does):
+K accumulated microbatches of a masked-mean loss train exactly like one single-device batch K
+times as large, on every ZeRO stage, with padding that gives each microbatch (and each data
+rank) another count of valid tokens. The torchrun version: test_gloo_grad_accum.py."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import autoshard  # noqa: E402
+from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.passes.export import simulate_run  # noqa: E402
+from autoshard.runtime.checkpoint import read_manifest  # noqa: E402
+from autoshard.runtime.grad_accum import microbatch_weights, split_rows  # noqa: E402
+from examples.models import llama_tiny  # noqa: E402
+from exactness import assert_training_within_spread, reference_train, within_spread  # noqa: E402
+
+B, S, K, STEPS, LR = 4, 8, 2, 3, 1e-2
+
+
+# padded label positions per row: of the 7 shifted labels per row, microbatch 1 (rows 0-3) keeps
+# 6 + 7 + 5 + 7 = 25, microbatch 2 keeps 1 + 2 + 4 + 0 = 7; each data rank's half differs too
+PADS = (1, 0, 2, 0, 6, 5, 3, 7)
+
+
+def padded_batch(rows: int, seed: int = 5):
+    """``rows`` token rows whose labels are padded (-100) at the end of each row by a different
+    amount: the valid counts differ between rows, so between microbatches and data ranks."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (rows, S), generator=g)
+    labels = ids.clone()
+    for r in range(rows):
+        pad = PADS[r % len(PADS)]
+        if pad:
+            labels[r, S - pad:] = -100
+    return ids, labels
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def export(tmp_path, mesh, layout, zero_stage):
+    model, args, dims = llama_tiny(with_labels=True, batch=B, seq=S)
+    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh(mesh), dims=dims, layout=layout, train=True,
+                               zero_stage=zero_stage)
+    return model, plan.export(tmp_path / "out", args)
+
+
+def run_accumulated(path, tmp_path, ids, labels, *extra):
+    torch.save([ids, None, labels], tmp_path / "big.pt")
+    res = simulate_run(path, "--steps", str(STEPS), "--grad-accum", str(K), "--inputs", str(tmp_path / "big.pt"),
+                       "--lr", str(LR), "--ckpt", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl"),
+                       *extra)
+    params = autoshard.consolidate(tmp_path / "ck" / f"step-{STEPS:06d}")
+    return res, params
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_accumulated_microbatches_train_like_one_big_batch(tmp_path, zero_stage):
+    model, path = export(tmp_path, {"dp": 2}, {"batch": "dp"}, zero_stage)
+    doc = json.loads((path / "plan.json").read_text())
+    assert doc["accumulation"] == {"reduction": "count", "normalizer": {"file": "normalizer.py", "inputs": ["labels"]}}
+    ids, labels = padded_batch(K * B)
+    res, params = run_accumulated(path, tmp_path, ids, labels)
+    losses = res[0]["losses"]
+    assert all(r["losses"] == losses for r in res)
+    steps = [(ids, None, labels)] * STEPS
+    ref32 = reference_train(model, steps, adamw)
+    assert_training_within_spread(losses, params, model, steps, adamw, reference32=ref32)
+    # --metrics records the step's loss (of both microbatches together)
+    assert [json.loads(l)["loss"] for l in (tmp_path / "m.jsonl").read_text().splitlines()] == losses
+    lines = res[0]["lines"]
+    assert any(l.startswith("gradient accumulation: 2 microbatches per optimizer step (--inputs") for l in lines)
+    if zero_stage == 0:
+        # what the test tells apart: two separately normalized means (each microbatch's own count)
+        # train differently, far beyond the bound
+        halves = [[(ids[:B], None, labels[:B]), (ids[B:], None, labels[B:])]] * STEPS
+        means, means_params = reference_train(model, halves, adamw, microbatches=K)
+        with pytest.raises(AssertionError, match="beyond the float32 spread bound"):
+            assert_training_within_spread(means, means_params, model, steps, adamw, reference32=ref32)
+
+
+def clipped_train(model, steps, max_norm):
+    """Single-device AdamW training of a copy of ``model`` with torch's own clipping."""
+    m = copy.deepcopy(model)
+    opt = adamw(list(m.parameters()))
+    losses = []
+    for args in steps:
+        loss = m(*args)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in m.named_parameters()}
+
+
+def test_accumulation_on_dp_and_tp_with_clipping(tmp_path):
+    model, path = export(tmp_path, {"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"}, 3)
+    ids, labels = padded_batch(K * B, seed=11)
+    res, params = run_accumulated(path, tmp_path, ids, labels, "--clip-grad-norm", "0.5")
+    steps = [(ids, None, labels)] * STEPS
+    ref32 = clipped_train(model, steps, 0.5)
+    ref64 = clipped_train(copy.deepcopy(model).double(), steps, 0.5)  # integer inputs: nothing to widen
+    within_spread(torch.tensor(res[0]["losses"], dtype=torch.float64), torch.tensor(ref32[0]),
+                  torch.tensor(ref64[0]), "losses")
+    for name, p in ref32[1].items():
+        within_spread(params[name], p, ref64[1][name], name)
+
+
+def test_data_reads_k_consecutive_batches(tmp_path):
+    """With --data a step reads the next K planned batches: 2 steps of K=2 read what 4 steps
+    of K=1 read, and the step's loss is the mean over its K batches (no padding: equal counts)."""
+    model, path = export(tmp_path, {"dp": 2}, {"batch": "dp"}, 1)
+    tokens = torch.randint(0, 64, (B * S * 4,), generator=torch.Generator().manual_seed(2))
+    tokens.numpy().astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    res = simulate_run(path, "--steps", "2", "--grad-accum", "2", "--data", str(tmp_path / "tokens.bin"),
+                       "--lr", str(LR), "--ckpt", str(tmp_path / "ck"))
+    params = autoshard.consolidate(tmp_path / "ck" / "step-000002")
+    big = [tokens[k * 2 * B * S:(k + 1) * 2 * B * S].view(2 * B, S) for k in range(2)]
+    steps = [(ids, None, ids) for ids in big]
+    assert_training_within_spread(res[0]["losses"], params, model, steps, adamw)
+    extra = read_manifest(tmp_path / "ck" / "step-000002")["extra"]
+    assert (extra["data_position"], extra["grad_accum"]) == (4 * B * S, 2)
+
+
+def test_saved_and_synthetic_inputs(tmp_path):
+    """The saved inputs taken K times train as the saved batch alone (the same gradient);
+    --synthetic draws K batches with seeds --seed, --seed + 1."""
+    model, path = export(tmp_path, {"dp": 2}, {"batch": "dp"}, 0)
+    once = simulate_run(path, "--steps", "2", "--lr", str(LR), "--metrics", str(tmp_path / "a.jsonl"))[0]["losses"]
+    twice = simulate_run(path, "--steps", "2", "--grad-accum", "2", "--lr", str(LR))[0]
+    assert twice["losses"] == pytest.approx(once, rel=1e-5)
+    assert any("(the saved inputs, 2 times)" in l for l in twice["lines"])
+    syn = simulate_run(path, "--steps", "1", "--grad-accum", "2", "--synthetic", "--seed", "4", "--lr", str(LR))[0]
+    doc = R.read_plan(path)
+    parts = [R.load_inputs(path, doc, synthetic=True, seed=s) for s in (4, 5)]
+    single = [simulate_run(path, "--steps", "1", "--synthetic", "--seed", str(s), "--lr", str(LR),
+                           "--metrics", str(tmp_path / f"s{s}.jsonl"))[0]["losses"][0] for s in (4, 5)]
+    assert not torch.equal(parts[0][0], parts[1][0])
+    # the llama's labels are its ids (no padding): equal counts, the step's loss is the mean
+    assert syn["losses"][0] == pytest.approx(sum(single) / 2, rel=1e-5)
+
+
+def test_refusals(tmp_path):
+    model, path = export(tmp_path, {"dp": 2}, {"batch": "dp"}, 0)
+    ids, labels = padded_batch(B + 1)
+    torch.save([ids, None, labels], tmp_path / "odd.pt")
+    with pytest.raises(R.RunError, match=r"input input_ids has 5 rows; --grad-accum 2 needs 2 x the planned 4 = 8"):
+        simulate_run(path, "--steps", "1", "--grad-accum", "2", "--inputs", str(tmp_path / "odd.pt"))
+    with pytest.raises(R.RunError, match="--grad-accum must be >= 1"):
+        simulate_run(path, "--steps", "1", "--grad-accum", "0")
+    args = R._parser().parse_args(["--steps", "1", "--grad-accum", "3"])
+    with pytest.raises(R.RunError, match=r"a pipelined one already accumulates its 4 microbatches per step \(hint: "
+                                         r"export with microbatches=12"):
+        R.grad_accum_setup(path, {"pipeline": {"microbatches": 4}}, args)
+    doc = json.loads((path / "plan.json").read_text())
+    doc["accumulation"]["reduction"] = None
+    (path / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(R.RunError, match="does not end in a sum, a mean or a masked mean"):
+        simulate_run(path, "--steps", "1", "--grad-accum", "2")
+
+
+def test_weights_and_split():
+    assert microbatch_weights("count", 2, [torch.tensor(3), torch.tensor(1)]) == [0.75, 0.25]
+    assert microbatch_weights("mean", 4) == [0.25] * 4
+    assert microbatch_weights("sum", 2) == [1.0, 1.0]
+    x = torch.arange(12).view(6, 2)
+    parts = split_rows([x, None, torch.tensor(2.0)], 3)
+    assert [p[0].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    assert all(p[1] is None and float(p[2]) == 2.0 for p in parts)
+    with pytest.raises(ValueError, match="input 0 has 6 rows, which do not split into 4 microbatches"):
+        split_rows([x], 4)
