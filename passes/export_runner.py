@@ -49,7 +49,7 @@ from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import OPTIMIZERS, UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, SliceSource, Slot
 from autoshard.runtime import checkpoint as ckpt
-from autoshard.runtime import grad_accum
+from autoshard.runtime import grad_accum, shared_paths
 from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 from autoshard.passes import export_pipeline_runner
@@ -994,6 +994,7 @@ def run(root: Path, args) -> int:
     store = dist.distributed_c10d._get_default_store()
     beat = Heartbeat(store, rank)
     try:
+        check_shared_paths(args, ctx["loop"], rank)
         rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
     except RunError as e:  # found by every rank at the same point (a bad token in --data)
         if rank == 0:
@@ -1022,6 +1023,18 @@ def run(root: Path, args) -> int:
     if ctx["loop"].get("lock"):
         ctx["loop"]["lock"].release()
     return rc
+
+
+def check_shared_paths(args, loop: dict, rank: int) -> None:
+    """RunError on every rank unless every rank sees rank 0's ``--ckpt`` directory, ``--data``
+    file and ``--resume`` checkpoint (a job on several nodes needs them on a shared file system:
+    :mod:`autoshard.runtime.shared_paths`); collectives, after the process group starts."""
+    if dist.get_world_size() == 1 or not (args.ckpt or loop.get("data") or loop.get("resume")):
+        return
+    problems = shared_paths.check_shared_paths(rank, ckpt=args.ckpt, data=args.data if loop.get("data") else None,
+                                               resume=loop.get("resume"))
+    if problems:
+        raise RunError("; ".join(problems))
 
 
 EXIT_PEER = 3
