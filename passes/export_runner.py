@@ -1283,6 +1283,7 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
             raise RunError(f"--resume: {e}") from None
         loop["warnings"] += [f"--resume skipped {name}: {why}" for name, why in skipped]
         loop["warnings"] += resume_mismatches(loop["resume"], manifest, args)
+        loop["warnings"] += grad_accum_mismatch(loop["resume"], manifest, args)
     if args.ckpt:
         check_ckpt_dir(Path(args.ckpt), checkpoint_bytes(doc, args.optimizer))
         if _env_int("RANK", 0) == 0:  # the job's first process holds the directory for the job
@@ -1337,6 +1338,16 @@ def grad_accum_setup(root: Path, doc: dict, args):
               f"the saved inputs, {k} times")
     return {"k": k, "reduction": reduction, "module": module, "normalizer": module.forward if module else None,
             "inputs": list(inputs), "source": source}
+
+
+def grad_accum_mismatch(path: Path, manifest: dict, args) -> list:
+    """A warning where the resumed run accumulates another number of batches per step than the
+    checkpoint's run (the global batch changes from here on)."""
+    saved = (manifest.get("extra") or {}).get("grad_accum", 1)
+    if saved == args.grad_accum:
+        return []
+    return [f"--resume: {path}'s run took {saved} planned batch{'es' if saved != 1 else ''} per optimizer step; this "
+            f"one takes {args.grad_accum} (--grad-accum): the global batch changes from here on"]
 
 
 def load_step_inputs(root: Path, doc: dict, args) -> list:

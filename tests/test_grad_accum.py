@@ -133,6 +133,13 @@ def test_data_reads_k_consecutive_batches(tmp_path):
     assert_training_within_spread(res[0]["losses"], params, model, steps, adamw)
     extra = read_manifest(tmp_path / "ck" / "step-000002")["extra"]
     assert (extra["data_position"], extra["grad_accum"]) == (4 * B * S, 2)
+    # resumed after step 1, step 2 reads the same two batches: bit for bit
+    data = ["--data", str(tmp_path / "tokens.bin"), "--lr", str(LR)]
+    simulate_run(path, "--steps", "1", "--total-steps", "2", "--grad-accum", "2", "--ckpt", str(tmp_path / "c1"), *data)
+    again = simulate_run(path, "--steps", "1", "--grad-accum", "2", "--resume", str(tmp_path / "c1"), *data)[0]
+    assert again["losses"] == res[0]["losses"][1:]
+    other = simulate_run(path, "--steps", "1", "--resume", str(tmp_path / "c1"), *data)[0]["lines"]
+    assert "warning: --resume: " in other[0] and "took 2 planned batches per optimizer step; this one takes 1" in other[0]
 
 
 def test_saved_and_synthetic_inputs(tmp_path):
