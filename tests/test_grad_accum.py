@@ -189,3 +189,45 @@ def test_weights_and_split():
     assert all(p[1] is None and float(p[2]) == 2.0 for p in parts)
     with pytest.raises(ValueError, match="input 0 has 6 rows, which do not split into 4 microbatches"):
         split_rows([x], 4)
+
+
+class _Tail(torch.nn.Module):
+    """A linear layer whose loss ends in ``tail`` (a reduction of its [batch, 4] output)."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.lin, self.tail = torch.nn.Linear(4, 4), tail
+
+    def forward(self, x):
+        return self.tail(self.lin(x))
+
+
+@pytest.mark.parametrize("tail, want", [
+    (lambda y: y.sum(), "sum"),
+    (lambda y: (y ** 2).mean(), "mean"),
+    (lambda y: torch.nn.functional.mse_loss(y, torch.zeros_like(y)), "mean"),
+    (lambda y: y.mean() * 3.0, None),          # a scale after the mean: it may be the batch size
+    (lambda y: torch.log(y.exp().sum()), None),  # not linear in the microbatches' losses
+])
+def test_loss_reductions_read_at_export(tail, want):
+    from autoshard.passes.loss_count import loss_accumulation
+    model = _Tail(tail)
+    x = torch.randn(4, 4)
+    plan = autoshard.autoshard(model, (x,), mesh=autoshard.Mesh({"dp": 2}), dims={"x": "batch in"},
+                               layout={"batch": "dp"}, train=True)
+    acc = loss_accumulation(plan.program, plan.captured.inputs, plan.loss_index())
+    assert (acc.reduction, acc.normalizer) == (want, None)
+
+
+def test_a_plain_mean_loss_averages_the_microbatches(tmp_path):
+    model = _Tail(lambda y: torch.nn.functional.mse_loss(y, torch.ones_like(y)))
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    plan = autoshard.autoshard(model, (x,), mesh=autoshard.Mesh({"dp": 2}), dims={"x": "batch in"},
+                               layout={"batch": "dp"}, train=True, zero_stage=1)
+    path = plan.export(tmp_path / "out", (x,))
+    big = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    torch.save([big], tmp_path / "big.pt")
+    res = simulate_run(path, "--steps", "3", "--grad-accum", "2", "--inputs", str(tmp_path / "big.pt"),
+                       "--lr", str(LR), "--ckpt", str(tmp_path / "ck"))
+    params = autoshard.consolidate(tmp_path / "ck" / "step-000003")
+    assert_training_within_spread(res[0]["losses"], params, model, [(big,)] * 3, adamw)
