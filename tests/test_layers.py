@@ -20,8 +20,6 @@ LAYERS = [
     ("cost", ["autoshard.cost"]),
     ("facade", ["autoshard", "autoshard.api", "autoshard.plan", "autoshard.cli", "autoshard.__main__"]),
 ]
-# The exported launcher (run.py is a copy of it) runs where only the runtime is installed.
-CORE_ONLY = {"autoshard.passes.export_runner", "autoshard.passes.export_pipeline_runner"}
 # Source folders and the package each one is imported as (pyproject.toml's package-dir).
 FOLDERS = {"autoshard": "autoshard", "passes": "autoshard.passes", "cost": "autoshard.cost"}
 
@@ -94,17 +92,13 @@ def test_every_module_has_a_layer():
 def upward_imports(module: str, path: Path) -> list:
     """One line per import in ``path`` that reaches above ``module``'s layer."""
     own = layer_of(module)
-    limit = 0 if module in CORE_ONLY else own
     bad = []
     for line, target, _ in imported_modules(module, path):
         theirs = layer_of(target)
-        if module in CORE_ONLY and target in CORE_ONLY:
-            continue  # the launchers travel together
-        if theirs is None or theirs > limit:
+        if theirs is None or theirs > own:
             name = "unknown" if theirs is None else LAYERS[theirs][0]
             where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-            bad.append(f"{where}:{line}: {module} ({LAYERS[own][0]}"
-                       f"{', runs with the core alone' if module in CORE_ONLY else ''}) imports {target} ({name})")
+            bad.append(f"{where}:{line}: {module} ({LAYERS[own][0]}) imports {target} ({name})")
     return bad
 
 
