@@ -102,6 +102,18 @@ def upward_imports(module: str, path: Path) -> list:
     return bad
 
 
+def test_the_export_runner_is_core():
+    """An export runs where only the core is installed: its runner is in the core layer (so the
+    test below holds it to core imports), and the run.py an export gets imports nothing else."""
+    runner = [m for m in MODULES if m == "autoshard.runtime.export" or m.startswith("autoshard.runtime.export.")]
+    assert "autoshard.runtime.export.cli" in runner and {layer_of(m) for m in runner} == {0}
+    from autoshard.runtime.export.launcher import run_py_source
+    tree = ast.parse(run_py_source(), "run.py")
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m for m in imported if m.startswith("autoshard")} == {"autoshard.runtime.export"}
+
+
 def test_imports_go_down_the_layers():
     bad = [b for module, path in MODULES.items() for b in upward_imports(module, path)]
     assert not bad, "imports that go up a layer:\n" + "\n".join(bad)

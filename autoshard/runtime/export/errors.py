@@ -24,7 +24,11 @@ from autoshard.runtime.watchdog import first_to_report, stalled_ranks, wake
 
 
 EXIT_USAGE = 2
+EXIT_PEER = 3
 EXIT_NONFINITE = 4
+# words of a failed collective's error (gloo's, nccl's, the store's) when a peer may be gone
+_PEER_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
+                "socket", "peer")
 
 
 class RunError(Exception):
@@ -38,15 +42,12 @@ class NonFiniteError(Exception):
 
 
 def _env_int(name: str, default: int) -> int:
+    """torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (``default`` outside torchrun): which
+    process prints a job's one line, and the world size that ``prepare`` checks."""
     try:
         return int(os.environ.get(name, default))
     except ValueError:
         return default
-
-
-EXIT_PEER = 3
-_PEER_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
-                "socket", "peer")
 
 
 def _report_lost_peer(e: BaseException, store, rank: int, world: int, timeout: float) -> bool:
