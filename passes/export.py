@@ -6,7 +6,8 @@
       program.py     the per-rank program as Python, generated from the rewritten FX graph;
                      a comment above every collective names its module and why it is there
       plan.json      mesh, layout, every input's owner per mesh axis, collectives, cost
-      run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K]
+      run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K];
+                     it calls the installed runner, autoshard.runtime.export
       weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap)
       buffers.pt     instead of weights.pt for a model on the meta device: its non-persistent
                      buffers, recomputed on the CPU (parameters come from run.py --weights)
@@ -53,8 +54,7 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime import run_simulated
 from autoshard.runtime.local import LOW_PRECISION
 from autoshard.runtime.overlap_linear import varying_linears
-
-from autoshard.runtime import export as runner
+from autoshard.runtime import export as runner  # the export runner, which run.py calls
 from autoshard.runtime.export import FORMAT, VERSION
 from autoshard.runtime.export.launcher import run_py_source
 
