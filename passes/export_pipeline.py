@@ -17,7 +17,7 @@ holds::
 User inputs are described with the shapes of one step's global batch (``microbatch_shape``:
 what a stage program sees); ``run.py`` splits the batch on dim 0 into the microbatches and
 runs the schedule with :class:`autoshard.runtime.pipeline.PipelineRank`
-(:mod:`autoshard.passes.export_pipeline_runner`).
+(:mod:`autoshard.runtime.export.pipeline`).
 
 Example::
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import ExportError, simulate_export, torchrun_command  # noqa: E402
 from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
 from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
@@ -231,7 +231,7 @@ def test_broken_exports_are_refused(exports, tmp_path, monkeypatch):
     cases = {
         "truncated": lambda d: (d / "plan.json").write_text((src / "plan.json").read_text()[:500]),
         "version": lambda d: (d / "plan.json").write_text(
-            (src / "plan.json").read_text().replace('"version": 1', '"version": 99')),
+            (src / "plan.json").read_text().replace(f'"version": {R.VERSION}', '"version": 99')),
         "owner": lambda d: (d / "plan.json").write_text(
             (src / "plan.json").read_text().replace('"S(1)"', '"X(1)"')),
         "weights": lambda d: (d / "weights.pt").unlink(),

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.passes.export import simulate_export, simulate_run, torchrun_command  # noqa: E402
 from autoshard.runtime.collectives import ADJOINTS  # noqa: E402

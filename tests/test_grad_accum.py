@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import simulate_run  # noqa: E402
 from autoshard.runtime.checkpoint import read_manifest  # noqa: E402
 from autoshard.runtime.grad_accum import microbatch_weights, split_rows  # noqa: E402

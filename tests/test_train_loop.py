@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import simulate_run  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 

@@ -78,7 +78,7 @@ class StageSpec:
 @dataclass
 class PipelineSpec:
     """What a rank needs to run a pipelined plan, without the planner (``Plan`` makes it; an
-    export rebuilds it from plan.json and the stage files, see ``passes/export_pipeline_runner.py``)."""
+    export rebuilds it from plan.json and the stage files, see ``autoshard/runtime/export/pipeline.py``)."""
 
     rank_spec: RankSpec  # every slot of the program (a rank keeps those its stages read)
     axis: str

@@ -1,19 +1,19 @@
-"""run.py's side of a pipelined export: load the stage programs and run the schedule.
+"""The runner's side of a pipelined export: load the stage programs and run the schedule.
 
 An export of a pipelined plan (:mod:`autoshard.passes.export_pipeline`) has a program file
-per stage and a ``"pipeline"`` section in plan.json. ``run.py`` (``export_runner``) hands such
-a directory to this module: it rebuilds the :class:`~autoshard.runtime.pipeline.PipelineSpec`
+per stage and a ``"pipeline"`` section in plan.json. The runner (:mod:`autoshard.runtime.export`)
+hands such a directory to this module: it rebuilds the :class:`~autoshard.runtime.pipeline.PipelineSpec`
 from plan.json and the stage files, and each rank runs its actions with the runtime's
 :class:`~autoshard.runtime.pipeline.PipelineRank` (point-to-point sends and receives on the
 pipeline axis, data-axis gradient sums once per step), exactly as ``plan.simulate_train`` does
 in-process. ``--check`` compares the last stage's outputs (per microbatch), every rank's
 gradients after the first step and the losses of every step with the unsharded model.
-run.py's training loop (``export_runner.train_loop``: ``--data``, clipping, the lr schedule,
+run.py's training loop (:func:`~autoshard.runtime.export.training.train_loop`: ``--data``, clipping, the lr schedule,
 checkpoints, ``--resume``) runs a :class:`PipelineProgram` as it runs a ``RankProgram``, and
 ``--timeline`` writes the last step's measured actions of every rank (:func:`write_timeline`).
 
-The runner module is passed in as ``R`` (run.py runs as ``__main__``, so its ``RunError`` is
-not the installed module's): errors found here are run.py's one-line ``RunError``.
+The runner's namespace (the package :mod:`autoshard.runtime.export`, which imports this module
+and so is not imported back) is passed in as ``R``: errors found here are its one-line ``RunError``.
 
 Example (inside a rank context, as run.py does)::
 
