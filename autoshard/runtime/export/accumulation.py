@@ -26,17 +26,22 @@ from .plan_file import load_program
 def grad_accum_setup(root: Path, doc: dict, args):
     """``--grad-accum K``: None for K = 1; else how the step adds up its K microbatches (plan.json's
     ``accumulation``: the loss's reduction, and the count program of a masked mean), where its
-    microbatches come from; RunError where it cannot apply (a pipelined export, a loss whose
-    K-batch value does not follow from the microbatches')."""
+    microbatches come from; RunError where it cannot apply (a loss whose K-batch value does not
+    follow from the microbatches'). A pipelined export runs its schedule K times per step
+    (``PipelineProgram.train_accumulated``)."""
     k = args.grad_accum
     if k < 1:
         raise RunError("--grad-accum must be >= 1")
     if k == 1:
         return None
-    if doc.get("pipeline"):
-        m = doc["pipeline"].get("microbatches", 1)
-        raise RunError(f"--grad-accum applies to unpipelined exports; a pipelined one already accumulates its {m} "
-                       f"microbatches per step (hint: export with microbatches={m * k} for {k} times the batch)")
+    source = ("--data: the next K planned batches of tokens" if args.data else
+              f"--inputs: {k} blocks of rows of each input" if args.inputs else
+              f"--synthetic: {k} random batches, seeds {args.seed} to {args.seed + k - 1}" if args.synthetic else
+              f"the saved inputs, {k} times")
+    pipe = doc.get("pipeline")
+    if pipe:  # K passes of the schedule; the stage programs and the normalizer are already loaded
+        reduction = "count" if pipe.get("normalizer") else pipe.get("loss_reduction", "mean")
+        return {"k": k, "reduction": reduction, "module": None, "normalizer": None, "inputs": [], "source": source}
     acc = doc.get("accumulation")
     if not isinstance(acc, dict):
         raise RunError("--grad-accum: plan.json does not say how the loss adds up over microbatches (hint: export "
@@ -58,10 +63,6 @@ def grad_accum_setup(root: Path, doc: dict, args):
             raise RunError("plan.json is corrupted: the accumulation's normalizer does not name a file and the "
                            "program's inputs (hint: export the plan again)")
         module = load_program(root, norm["file"])
-    source = ("--data: the next K planned batches of tokens" if args.data else
-              f"--inputs: {k} blocks of rows of each input" if args.inputs else
-              f"--synthetic: {k} random batches, seeds {args.seed} to {args.seed + k - 1}" if args.synthetic else
-              f"the saved inputs, {k} times")
     return {"k": k, "reduction": reduction, "module": module, "normalizer": module.forward if module else None,
             "inputs": list(inputs), "source": source}
 
