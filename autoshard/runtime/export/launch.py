@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
-from autoshard.runtime.watchdog import Heartbeat
+from autoshard.runtime.transport.watchdog import Heartbeat
 
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer

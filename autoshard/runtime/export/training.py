@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.execution import checkpoint as ckpt
 
 from .data import TokenData
 from .errors import RunError, _env_int
