@@ -52,10 +52,10 @@ from torch.utils import _pytree as pytree
 from autoshard import ownership
 from autoshard.mesh import Mesh
 from autoshard.ownership import describe, local_shape, slice_dim_for
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 from autoshard.runtime import run_simulated
-from autoshard.runtime.local import LOW_PRECISION
-from autoshard.runtime.overlap_linear import varying_linears
+from autoshard.runtime.execution.local import LOW_PRECISION
+from autoshard.runtime.primitives.overlap_linear import varying_linears
 from autoshard.runtime import export as runner  # the export runner, which run.py calls
 from autoshard.runtime.export import FORMAT, VERSION
 from autoshard.runtime.export.launcher import run_py_source
@@ -249,7 +249,7 @@ def _imports(globals_: dict, src: str, collective_fns: dict) -> str:
         else:
             raise ExportError(f"the program refers to {obj!r} as {name!r}, which cannot be imported by name")
     if coll:
-        lines.append("from autoshard.runtime.collectives import " + ", ".join(coll))
+        lines.append("from autoshard.runtime.primitives.collectives import " + ", ".join(coll))
     lines.extend(others)
     lines += ["", "aten = torch.ops.aten",
               "# Tensors the program creates (arange, zeros, ...) go here; run.py sets this rank's device.",

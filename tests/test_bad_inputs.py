@@ -193,7 +193,7 @@ REFUSED = {
                                                                     mesh=Mesh({"dp": 2}), dims=["batch -"],
                                                                     layout={"batch": "dp"})),
     # model features and inputs a plan would not reproduce (items 2-4, refused by passes/guards.py
-    # and runtime/inputs.py)
+    # and runtime/execution/inputs.py)
     "simulate_other_batch": (autoshard.InputMismatchError, r"input input has shape \(8, 8\); the plan was made "
                                                            r"for shape \(4, 8\)",
                              lambda: plan_mlp().simulate(torch.randn(8, 8))),

@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import autoshard  # noqa: E402
 from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import simulate_run  # noqa: E402
-from autoshard.runtime.checkpoint import read_manifest  # noqa: E402
-from autoshard.runtime.grad_accum import microbatch_weights, split_rows  # noqa: E402
+from autoshard.runtime.execution.checkpoint import read_manifest  # noqa: E402
+from autoshard.runtime.execution.grad_accum import microbatch_weights, split_rows  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 from exactness import assert_training_within_spread, reference_train, within_spread  # noqa: E402
 

@@ -57,8 +57,8 @@ from autoshard.mesh import Mesh
 from autoshard import ownership
 from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
-from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
-from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
+from autoshard.runtime.execution.clip import clip_grad_norm_, global_grad_norm
+from autoshard.runtime.transport.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 from autoshard.passes import export_pipeline_runner
 '''
 

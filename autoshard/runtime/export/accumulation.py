@@ -1,6 +1,6 @@
 """``run.py --grad-accum K``: where a step's K microbatches come from and how their losses add up.
 
-:mod:`autoshard.runtime.grad_accum` runs the step (data-axis sums once, with the last
+:mod:`autoshard.runtime.execution.grad_accum` runs the step (data-axis sums once, with the last
 microbatch; a masked mean normalized by the valid tokens of all K); this module reads what
 it needs from the export (plan.json's ``accumulation``, the count program ``normalizer.py``) and
 the command line, and refuses what it cannot run exactly, before any process group exists.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.runtime import grad_accum
+from autoshard.runtime.execution import grad_accum
 
 from .errors import RunError
 from .inputs import check_input, load_inputs, read_inputs_file

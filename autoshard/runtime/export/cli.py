@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from autoshard.runtime.local import OPTIMIZERS
+from autoshard.runtime.execution.local import OPTIMIZERS
 
 from .launch import run
 from .program import NAN_POLICIES

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.execution import checkpoint as ckpt
 
 from .errors import RunError
 

@@ -20,7 +20,7 @@ import sys
 
 import torch.distributed as dist
 
-from autoshard.runtime.watchdog import first_to_report, stalled_ranks, wake
+from autoshard.runtime.transport.watchdog import first_to_report, stalled_ranks, wake
 
 
 EXIT_USAGE = 2

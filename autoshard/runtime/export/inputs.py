@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.runtime.local import UNCHECKED
+from autoshard.runtime.execution.local import UNCHECKED
 
 from .errors import RunError
 from .weights import _dt, _load

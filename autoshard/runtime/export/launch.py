@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from autoshard.mesh import Mesh
-from autoshard.runtime import DistributedBackend, rank_context, shared_paths
-from autoshard.runtime.watchdog import Heartbeat
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.execution import shared_paths
+from autoshard.runtime.transport.watchdog import Heartbeat
 
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
@@ -153,7 +154,7 @@ def run(root: Path, args) -> int:
 def check_shared_paths(args, loop: dict, rank: int) -> None:
     """RunError on every rank unless every rank sees rank 0's ``--ckpt`` directory, ``--data``
     file and ``--resume`` checkpoint (a job on several nodes needs them on a shared file system:
-    :mod:`autoshard.runtime.shared_paths`); collectives, after the process group starts."""
+    :mod:`autoshard.runtime.execution.shared_paths`); collectives, after the process group starts."""
     if dist.get_world_size() == 1 or not (args.ckpt or loop.get("data") or loop.get("resume")):
         return
     problems = shared_paths.check_shared_paths(rank, ckpt=args.ckpt, data=args.data if loop.get("data") else None,

@@ -2,9 +2,9 @@
 
 An export of a pipelined plan (:mod:`autoshard.passes.export_pipeline`) has a program file
 per stage and a ``"pipeline"`` section in plan.json. The runner (:mod:`autoshard.runtime.export`)
-hands such a directory to this module: it rebuilds the :class:`~autoshard.runtime.pipeline.PipelineSpec`
+hands such a directory to this module: it rebuilds the :class:`~autoshard.runtime.execution.pipeline.PipelineSpec`
 from plan.json and the stage files, and each rank runs its actions with the runtime's
-:class:`~autoshard.runtime.pipeline.PipelineRank` (point-to-point sends and receives on the
+:class:`~autoshard.runtime.execution.pipeline.PipelineRank` (point-to-point sends and receives on the
 pipeline axis, data-axis gradient sums once per step), exactly as ``plan.simulate_train`` does
 in-process. ``--check`` compares the last stage's outputs (per microbatch), every rank's
 gradients after the first step and the losses of every step with the unsharded model.
@@ -33,12 +33,12 @@ import torch
 
 from autoshard.ownership import Shard, local_piece
 from autoshard.runtime import current
-from autoshard.runtime.checkpoint import all_gather_objects
-from autoshard.runtime.clip import global_grad_norm
-from autoshard.runtime.local import ShardedOptimizer
-from autoshard.runtime.pipeline import BoundarySpec, PipelineRank, PipelineSpec, StageSpec, split_microbatches
-from autoshard.runtime.schedules import Action, check_schedule
-from autoshard.runtime.timeline import measured_trace
+from autoshard.runtime.execution.checkpoint import all_gather_objects
+from autoshard.runtime.execution.clip import global_grad_norm
+from autoshard.runtime.execution.local import ShardedOptimizer
+from autoshard.runtime.execution.pipeline import (BoundarySpec, PipelineRank, PipelineSpec, StageSpec, split_microbatches)
+from autoshard.runtime.execution.schedules import Action, check_schedule
+from autoshard.runtime.execution.timeline import measured_trace
 
 
 def validate(doc: dict, mesh, bad) -> None:

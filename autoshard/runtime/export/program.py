@@ -19,9 +19,10 @@ import torch
 
 from autoshard.mesh import Mesh
 from autoshard.ownership import ParamStorage, Replicate, Shard
-from autoshard.runtime import current, grad_accum
-from autoshard.runtime.local import LocalModule, RankSpec, ShardedOptimizer, Slot
-from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
+from autoshard.runtime import current
+from autoshard.runtime.execution import grad_accum
+from autoshard.runtime.execution.local import LocalModule, RankSpec, ShardedOptimizer, Slot
+from autoshard.runtime.execution.clip import clip_grad_norm_, global_grad_norm
 
 from .checks import compare_grads, compare_outputs, global_sum
 from .errors import NonFiniteError
@@ -33,7 +34,7 @@ NAN_POLICIES = ("stop", "skip-step", "ignore")  # --nan-policy: what a non-finit
 
 
 def rank_spec(doc: dict, mesh: Mesh, forward, train: bool) -> RankSpec:
-    """The :class:`~autoshard.runtime.local.RankSpec` of plan.json: every argument of the
+    """The :class:`~autoshard.runtime.execution.local.RankSpec` of plan.json: every argument of the
     program as a slot (how it is stored, trainable when ``train``), the data axes and buckets."""
     slots = []
     for m in doc["inputs"]:
@@ -73,8 +74,8 @@ def rank_program(doc: dict, mesh: Mesh, rank: int, program, weights: Weights, de
 
 class RankProgram:
     """One rank's program with its parameters as stored (whole, a tensor-parallel block, or a
-    ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.runtime.local.LocalModule` and
-    :class:`~autoshard.runtime.local.ShardedOptimizer`, built from plan.json instead of a plan."""
+    ZeRO shard) and its optimizer: autoshard's own :class:`~autoshard.runtime.execution.local.LocalModule` and
+    :class:`~autoshard.runtime.execution.local.ShardedOptimizer`, built from plan.json instead of a plan."""
 
     def __init__(self, doc: dict, mesh: Mesh, rank: int, program, weights: Weights, device, train: bool):
         self.doc, self.mesh, self.rank, self.device = doc, mesh, rank, device
@@ -99,7 +100,7 @@ class RankProgram:
 
     def train_accumulated(self, microbatches: list, accum: dict) -> float:
         """Forward and backward of the step's microbatches (``--grad-accum``: data-axis sums once,
-        with the last; see :mod:`autoshard.runtime.grad_accum`); the step's global loss."""
+        with the last; see :mod:`autoshard.runtime.execution.grad_accum`); the step's global loss."""
         pieces = grad_accum.accumulate(self.local, microbatches, loss_index=self.doc["loss_output"],
                                        reduction=accum["reduction"], normalizer=accum["normalizer"],
                                        normalizer_inputs=accum["inputs"])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.execution import checkpoint as ckpt
 
 from .accumulation import grad_accum_mismatch, grad_accum_setup
 from .data import TokenData

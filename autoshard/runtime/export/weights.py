@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from autoshard.runtime import checkpoint as ckpt
-from autoshard.runtime.local import SliceSource
+from autoshard.runtime.execution import checkpoint as ckpt
+from autoshard.runtime.execution.local import SliceSource
 
 from .errors import RunError
 

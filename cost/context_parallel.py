@@ -24,15 +24,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from autoshard.passes import context as cp
-from autoshard.passes.context import SDPA
+from autoshard.passes import context_parallel as cp
+from autoshard.passes.context_parallel import SDPA
 from autoshard.passes.rules import arg
 from autoshard.passes.spmd import input_placements
-from autoshard.runtime.ring_attention import allgather_attention, chunk_ranges, online_softmax_merge, ring_attention
+from autoshard.runtime.primitives.ring_attention import (allgather_attention, chunk_ranges, online_softmax_merge, ring_attention)
 
-from .comm import collective_time
-from .compute import attention_flops, roofline_time
-from .hardware import DeviceSpec, LinkSpec, load_hardware
+from autoshard.cost.comm import collective_time
+from autoshard.cost.compute import attention_flops, roofline_time
+from autoshard.cost.hardware import DeviceSpec, LinkSpec, load_hardware
 
 __all__ = ["causal_pairs_per_rank", "online_softmax_merge", "ContextEstimate", "context_parallel_estimate",
            "choose_variant", "attention_seconds", "ContextSearch", "context_explanation"]
@@ -40,7 +40,7 @@ __all__ = ["causal_pairs_per_rank", "online_softmax_merge", "ContextEstimate", "
 
 def causal_pairs_per_rank(seq_len: int, ranks: int, order: str = "zigzag") -> list:
     """Valid causal (query, key) pairs per rank: query position ``p`` (1-based) sees ``p`` keys,
-    itself included; rank ``r`` holds the positions :func:`~autoshard.runtime.ring_attention.chunk_ranges`
+    itself included; rank ``r`` holds the positions :func:`~autoshard.runtime.primitives.ring_attention.chunk_ranges`
     gives it (``zigzag``: chunks ``r`` and ``2R-1-r`` of ``2R``; ``contiguous``: chunk ``r``).
 
     >>> causal_pairs_per_rank(16, 8, "contiguous")
@@ -130,7 +130,7 @@ def attention_seconds(cm, mesh, axis: str, variant: str, q_shape, kv_shape, dtyp
     The ring's hops overlap the block compute; the all-gather variant's gather and its backward
     reduce-scatter do not."""
     # deferred: cost.model imports this module (it costs the nodes this module knows)
-    from .model import collective_seconds
+    from autoshard.cost.model import collective_seconds
     n = mesh.axes[axis]
     *lead, H, s, d = q_shape
     G = kv_shape[-3]
@@ -160,7 +160,7 @@ def attention_seconds(cm, mesh, axis: str, variant: str, q_shape, kv_shape, dtyp
 
 
 def choose_variant(cm, mesh):
-    """A chooser for :func:`autoshard.passes.context.plan_context`: ``(axis, q_shape,
+    """A chooser for :func:`autoshard.passes.context_parallel.plan_context`: ``(axis, q_shape,
     kv_shape, dtype_bytes, causal, order) -> "ring" | "allgather"``, whichever
     :func:`attention_seconds` predicts faster (forward + backward) on ``cm``'s hardware."""
     def choose(axis, q_shape, kv_shape, dtype_bytes, causal, order):

@@ -10,7 +10,7 @@ ownership algebra") and is exact for gradients under these conventions:
 They are plain module-level functions with simple positional arguments (tensor, axis name,
 ints) and an optional ``tag``, so rewritten FX graphs can call them as ``call_function``
 targets and exported code can print them. They run as the rank of the current
-:func:`~autoshard.runtime.context.rank_context`.
+:func:`~autoshard.runtime.transport.rank_context.rank_context`.
 
 Example (Megatron's f and g around a tensor-parallel MLP)::
 
@@ -28,10 +28,10 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import param_sums, units
-from .backend import Pending, check_divisible, shares_memory
-from .context import CollectiveRecord, RankContext, activate, current, current_or_none
-from .pending_value import PendingValue
+from autoshard.runtime.primitives import param_sums, zero_units as units
+from autoshard.runtime.transport.backend import Pending, check_divisible, shares_memory
+from autoshard.runtime.transport.rank_context import (CollectiveRecord, RankContext, activate, current, current_or_none)
+from autoshard.runtime.primitives.pending_value import PendingValue
 
 
 class Adjoint(NamedTuple):
@@ -411,7 +411,7 @@ def all_reduce(x: torch.Tensor, axis: str, tag: int | None = None, lazy: bool = 
     """Partial -> Replicate: sum over ``axis``; backward is the identity (Megatron's g).
 
     ``lazy=True`` (forward only): return the sum started but not waited for, as a
-    :class:`~autoshard.runtime.pending_value.PendingValue` that waits when its data is read;
+    :class:`~autoshard.runtime.primitives.pending_value.PendingValue` that waits when its data is read;
     for values only the program's outputs read (a loss; placed by ``passes/output_sums.py``).
     ``consume=True``: nothing else reads ``x``, so the sum may be written into it (and ``x``
     returned) instead of a copy; placed by ``passes/inplace_sums.py``.
@@ -454,7 +454,7 @@ def mark_varying(x: torch.Tensor, axis: str, tag: int | None = None, later: bool
 
     ``later=True``, for a parameter leaf the program reads nowhere else: backward starts the
     sum without waiting and it is added into ``x.grad`` when backward ends (the same values;
-    :mod:`~autoshard.runtime.param_sums`, placed by ``passes/param_sums.py``). ``defer=False``:
+    :mod:`~autoshard.runtime.primitives.param_sums`, placed by ``passes/param_sums.py``). ``defer=False``:
     ``x`` is computed from the batch, so gradient accumulation sends its sum in every
     microbatch (as :func:`all_gather_varying`'s).
 
@@ -909,7 +909,7 @@ def start_gather_unit(shards, axis: str, tag: int) -> None:
     """Start the flat all-gather that the ``gather_unit`` node tagged ``tag`` then waits for
     instead of sending (its forward prefetch), at a point of the program of its own: placed
     after the plain collectives that run between the previous unit's gather and this one's
-    (``passes/units.py``), so they are not queued behind this larger gather on the axis's
+    (``passes/zero_units.py``), so they are not queued behind this larger gather on the axis's
     group. Outside forward (a recompute in backward) it does nothing.
 
     Example::
@@ -928,7 +928,7 @@ def start_gather_unit(shards, axis: str, tag: int) -> None:
 def gather_unit(shards, axis: str, dims, tag: int | None = None, prefetch=None, hold: bool = False) -> tuple:
     """ZeRO-3 / FSDP: every parameter of a unit, Shard(dims[i]) -> Replicate for varying use,
     in one flat all-gather; backward reduce-scatters their gradients in one flat buffer
-    (:mod:`autoshard.runtime.units`). ``prefetch=(next shards, next dims, next tag)`` starts the
+    (:mod:`autoshard.runtime.primitives.zero_units`). ``prefetch=(next shards, next dims, next tag)`` starts the
     next unit's gather as soon as this one is done, so it overlaps this unit's compute.
     ``hold=True``: backward starts the reduce-scatter only once the next collective on ``axis``
     has run (a plain one the program runs between this unit's backward and the previous

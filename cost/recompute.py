@@ -2,7 +2,7 @@
 backward saves in memory and costs in time (seed 003: checkpointing trades one more forward
 of the blocks for their activations).
 
-With every block checkpointed (``autoshard.passes.checkpoint``), a block keeps only its inputs
+With every block checkpointed (``autoshard.passes.recompute``), a block keeps only its inputs
 (``Segment.boundary_bytes``: activations made before it, each counted once) between forward
 and backward; when backward reaches it the block runs forward again, so its own activations
 live once more, one block at a time. So, per rank:
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import copy
 
-from autoshard.passes.checkpoint import boundary_bytes
+from autoshard.passes.recompute import boundary_bytes
 
-from .model import Comm, Segment, program_cost, program_events
+from autoshard.cost.model import Comm, Segment, program_cost, program_events
 
 
 def annotate_boundaries(segments: list, graph, user_names) -> list:

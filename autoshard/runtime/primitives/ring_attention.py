@@ -32,7 +32,7 @@ Example (two simulated ranks, each holding half of a causal sequence in zigzag o
     >>> import torch
     >>> from autoshard import Mesh
     >>> from autoshard.runtime import run_simulated
-    >>> from autoshard.runtime.ring_attention import ring_attention, zigzag_permute
+    >>> from autoshard.runtime.primitives.ring_attention import ring_attention, zigzag_permute
     >>> q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     >>> def rank(r):
@@ -49,8 +49,8 @@ from typing import Iterable, NamedTuple, Optional
 
 import torch
 
-from . import collectives as C
-from .context import CollectiveRecord, current
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.transport.rank_context import CollectiveRecord, current
 
 ORDERS = ("zigzag", "contiguous")
 _NEG_INF = float("-inf")

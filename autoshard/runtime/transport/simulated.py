@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits
-from .context import describe_call, rank_context
+from autoshard.runtime.transport.backend import (Backend, CollectiveError, Pending, check_divisible, check_splits)
+from autoshard.runtime.transport.rank_context import describe_call, rank_context
 
 
 class SimulationAborted(RuntimeError):

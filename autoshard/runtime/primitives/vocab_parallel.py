@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from . import collectives as C
-from .context import current
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.transport.rank_context import current
 
 
 class _LocalStats(torch.autograd.Function):

@@ -3,7 +3,7 @@ intermediate values, and backward recomputes them; plus a tracker of the bytes a
 for backward (saved tensors), which is what checkpointing trades for time.
 
 :class:`Recomputed` wraps one block of the per-rank program (an FX GraphModule cut out by
-``autoshard.passes.checkpoint``). Its forward saves only the block's inputs and runs the block
+``autoshard.passes.recompute``). Its forward saves only the block's inputs and runs the block
 under ``no_grad``; when backward reaches it, the block is run again with the same random state
 (dropout masks match) and differentiated, and the gradients of its inputs flow on. Values are
 those of the program without checkpointing, bit for bit: the recompute runs the same kernels on
@@ -31,7 +31,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .context import current_or_none
+from autoshard.runtime.transport.rank_context import current_or_none
 
 
 class SavedBytes:

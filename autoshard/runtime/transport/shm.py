@@ -7,7 +7,7 @@ their CPU from the compute when a process has one core (``benchmarks/collectives
 the two; its results are in benchmarks/README.md).
 
 :class:`SharedMemoryGroup` serves one process group with the three tensor-form primitives
-:class:`~autoshard.runtime.distributed.DistributedBackend` uses, with torch.distributed's
+:class:`~autoshard.runtime.transport.distributed.DistributedBackend` uses, with torch.distributed's
 signatures: ``all_reduce`` (a sum in rank order, as the simulated backend sums, so results
 equal the simulation bit for bit at any group size), ``all_gather_single`` and
 ``all_to_all_single`` (equal blocks). Each returns a work handle (``wait``, ``is_completed``)
@@ -66,7 +66,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .backend import CollectiveError
+from autoshard.runtime.transport.backend import CollectiveError
 
 _PAGE = 4096
 

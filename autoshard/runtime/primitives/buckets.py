@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .context import CollectiveRecord, current
+from autoshard.runtime.transport.rank_context import CollectiveRecord, current
 
 
 def assign_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:

@@ -36,11 +36,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..ownership import ParamStorage, Replicate, held_fraction, local_piece, local_shape
-from .buckets import GradBuckets
-from .collectives import all_gather, reshard_after_forward
-from .context import current, trace_phase
-from .inputs import check_input
+from autoshard.ownership import ParamStorage, Replicate, held_fraction, local_piece, local_shape
+from autoshard.runtime.primitives.buckets import GradBuckets
+from autoshard.runtime.primitives.collectives import all_gather, reshard_after_forward
+from autoshard.runtime.transport.rank_context import current, trace_phase
+from autoshard.runtime.execution.inputs import check_input
 
 UNCHECKED = object()  # Slot.value when the planned Python value is not known (not checked)
 

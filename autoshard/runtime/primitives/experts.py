@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import collectives as C
-from .context import current
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.transport.rank_context import current
 
 
 # ---- a grouped matrix multiply (one expert per block of rows) ---------------------------------

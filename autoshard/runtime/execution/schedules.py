@@ -4,7 +4,7 @@ An action is ``F(mb, stage)`` (forward of one microbatch through one stage), ``B
 (its backward; only the input gradient when the schedule also has ``W(mb, stage)``, the weight
 gradient, split off to run later). Stage ``k`` of ``K = pp * virtual`` runs on pipeline rank
 ``k % pp``. One function per schedule builds the lists; the runtime
-(:mod:`autoshard.runtime.pipeline`) executes any list that respects the dependencies, and
+(:mod:`autoshard.runtime.execution.pipeline`) executes any list that respects the dependencies, and
 :func:`check_schedule` proves that a list does (every action once, and a run with unit times
 finishes without waiting forever).
 

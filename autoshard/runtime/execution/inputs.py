@@ -12,7 +12,7 @@ Example::
     >>> check_input("x", torch.zeros(8, 4), (4, 4), torch.float32, None)
     Traceback (most recent call last):
     ...
-    autoshard.runtime.inputs.InputMismatchError: input x has shape (8, 4); the plan was made for shape (4, 4) (plan again for these inputs)
+    autoshard.runtime.execution.inputs.InputMismatchError: input x has shape (8, 4); the plan was made for shape (4, 4) (plan again for these inputs)
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Activation checkpointing of the per-rank program: each repeated block (``layers.3``) becomes
-one call of ``autoshard.runtime.recompute.Recomputed``, which keeps only the block's inputs for
+one call of ``autoshard.runtime.primitives.recompute.Recomputed``, which keeps only the block's inputs for
 backward and recomputes the rest there.
 
 A block's *region* is the code of that block that depends on a user input (its activations);
@@ -11,7 +11,7 @@ op (true for the blocks of a sequential model); others are left as they are and 
 
 Example::
 
-    >>> from autoshard.passes.checkpoint import checkpoint_blocks            # doctest: +SKIP
+    >>> from autoshard.passes.recompute import checkpoint_blocks            # doctest: +SKIP
     >>> gm, done, skipped = checkpoint_blocks(plan.graph_module, user_names={"x"})
     >>> done
     ['layers.0', 'layers.1']
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from autoshard.runtime.recompute import Recomputed
+from autoshard.runtime.primitives.recompute import Recomputed
 
 
 def block_of(node: fx.Node) -> Optional[tuple]:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..mesh import Mesh
-    from .backend import Backend
+    from autoshard.mesh import Mesh
+    from autoshard.runtime.transport.backend import Backend
 
 PHASES = ("forward", "backward", "optimizer")
 

@@ -25,7 +25,7 @@ around ``n * eps`` (fp32: ~1e-6 with 4 ranks). Gathers and all-to-all are bit-ex
 reduce-scatters on gloo, which run as an all-to-all and a sum in rank order (faster there than
 gloo's own reduce-scatter).
 
-Example (inside a process started by torchrun or :func:`autoshard.runtime.launch.spawn`)::
+Example (inside a process started by torchrun or :func:`autoshard.runtime.transport.launch.spawn`)::
 
     mesh = Mesh({"dp": 2, "tp": 2})
     backend = DistributedBackend(mesh)                 # builds init_device_mesh("cpu", ...)
@@ -41,8 +41,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .backend import Backend, CollectiveError, Pending, check_divisible, check_splits, shares_memory
-from .shm import SharedMemoryGroup, all_on_this_host, job_token, usable_here
+from autoshard.runtime.transport.backend import (Backend, CollectiveError, Pending, check_divisible, check_splits, shares_memory)
+from autoshard.runtime.transport.shm import SharedMemoryGroup, all_on_this_host, job_token, usable_here
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn as deprecated).
 _all_gather_1 = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

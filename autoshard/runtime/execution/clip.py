@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from ..ownership import Owned, Shard
-from .checkpoint import stored_placement
-from .context import current
+from autoshard.ownership import Owned, Shard
+from autoshard.runtime.execution.checkpoint import stored_placement
+from autoshard.runtime.transport.rank_context import current
 
 
 def counted_here(place, mesh, rank: int, apart=()) -> bool:

@@ -1,7 +1,7 @@
 """Gradient accumulation: K microbatches per optimizer step, trained as one batch K times as large.
 
 Each microbatch runs forward and backward; the data-axis gradient sums wait for the last one
-(:meth:`~autoshard.runtime.local.LocalModule.no_sync`: the bucketed all-reduces of ZeRO 0/1 and
+(:meth:`~autoshard.runtime.execution.local.LocalModule.no_sync`: the bucketed all-reduces of ZeRO 0/1 and
 the reduce-scatters of ZeRO 2/3 are summed locally and sent once, with the last microbatch's
 backward; sums over other axes, and those of activations, run in every microbatch as usual). A
 ZeRO-3 forward gathers its parameters again in every microbatch.

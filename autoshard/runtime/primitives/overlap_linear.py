@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import all_gather_varying, mark_varying, run_forward, start_gradient_sum
-from .context import current
+from autoshard.runtime.primitives.collectives import (all_gather_varying, mark_varying, run_forward, start_gradient_sum)
+from autoshard.runtime.transport.rank_context import current
 
 aten = torch.ops.aten
 

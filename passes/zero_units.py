@@ -6,7 +6,7 @@ pass groups them into *units* (FSDP's "wrapping"): the gathers of a unit's param
 ``gather_unit`` node placed before the first of them, which gathers every member in one flat
 all-gather, starts the next unit's gather (forward prefetch), and in backward reduce-scatters
 the members' gradients in one flat buffer, asynchronously under the rest of backward
-(``autoshard.runtime.units``). Values are unchanged bit for bit: gathers are copies and sums
+(``autoshard.runtime.primitives.zero_units``). Values are unchanged bit for bit: gathers are copies and sums
 are elementwise.
 
 A unit policy says which parameters go together (names are parameter FQNs):
@@ -21,7 +21,7 @@ A unit policy says which parameters go together (names are parameter FQNs):
 
 Example::
 
-    >>> from autoshard.passes.units import unit_of                        # doctest: +SKIP
+    >>> from autoshard.passes.zero_units import unit_of                        # doctest: +SKIP
     >>> unit_of("model.layers.3.attention.wq.weight", "block")
     'model.layers.3'
 """
@@ -30,9 +30,9 @@ from __future__ import annotations
 import operator
 import re
 
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 
-from .spmd import Collective
+from autoshard.passes.spmd import Collective
 
 POLICIES = ("block", "model", "param")
 

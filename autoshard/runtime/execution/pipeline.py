@@ -38,14 +38,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ownership import local_piece
-from .checkpoint import stored_placement
-from .clip import clip_grad_norm_, counted_here
-from .collectives import (post_gradient_recv, post_recv, recv, recv_gradient, recv_value, reshard_after_forward, send,
-                          send_gradient, send_value, template)
-from .context import current, trace_phase
-from .local import LocalModule, RankSpec
-from .schedules import Action, stage_rank
+from autoshard.ownership import local_piece
+from autoshard.runtime.execution.checkpoint import stored_placement
+from autoshard.runtime.execution.clip import clip_grad_norm_, counted_here
+from autoshard.runtime.primitives.collectives import (post_gradient_recv, post_recv, recv, recv_gradient, recv_value, reshard_after_forward, send, send_gradient, send_value, template)
+from autoshard.runtime.transport.rank_context import current, trace_phase
+from autoshard.runtime.execution.local import LocalModule, RankSpec
+from autoshard.runtime.execution.schedules import Action, stage_rank
 
 
 @dataclass

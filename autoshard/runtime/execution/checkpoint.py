@@ -58,9 +58,9 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..ownership import Owned, Shard, block_index, holds
-from .context import current
-from .distributed import DistributedBackend
+from autoshard.ownership import Owned, Shard, block_index, holds
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.transport.distributed import DistributedBackend
 
 FORMAT, VERSION = "autoshard-checkpoint", 1
 MANIFEST = "autoshard.json"
@@ -174,7 +174,7 @@ def model_pieces(local) -> dict:
 
 def optimizer_params(local, optimizer) -> list:
     """(FQN, global shape, region, the tensor the inner optimizer steps) for every parameter
-    of ``optimizer`` (a :class:`~autoshard.runtime.local.ShardedOptimizer`): a stored piece,
+    of ``optimizer`` (a :class:`~autoshard.runtime.execution.local.ShardedOptimizer`): a stored piece,
     ZeRO-1's slice of it, or the fp32 master of either."""
     _slots(local)
     name_of = {id(p): n for n, p in local.named_parameters()}

@@ -3,9 +3,9 @@
 When a layout puts the sequence dim of an attention's queries on a mesh axis
 (``layout={"seq": "cp"}``), ``F.scaled_dot_product_attention`` cannot run on the local block:
 every query needs every (visible) key. This pass rewrites each such SDPA node into
-``autoshard.runtime.ring_attention.ring_attention`` (K/V blocks circulate, online softmax) or
+``autoshard.runtime.primitives.ring_attention.ring_attention`` (K/V blocks circulate, online softmax) or
 ``allgather_attention`` (K/V gathered once), chosen per node by a cost function the caller
-passes (``autoshard.cost.context.choose_variant``), or fixed by ``context={"variant": ...}``.
+passes (``autoshard.cost.context_parallel.choose_variant``), or fixed by ``context={"variant": ...}``.
 
 The sequence order is a property of the axis (every value split along the sequence on it
 shares it): ``zigzag`` (rank i holds chunks i and 2R-1-i; the default when any attention on the
@@ -34,11 +34,11 @@ import torch
 from torch import fx
 
 from autoshard.ownership import R, Shard
-from autoshard.runtime.ring_attention import ORDERS, allgather_attention, ring_attention
+from autoshard.runtime.primitives.ring_attention import ORDERS, allgather_attention, ring_attention
 
-from .dims import DimInfo, module_of, source_line
-from .rules import arg, is_tensor_node, shape_of
-from .spmd import Collective, LayoutError
+from autoshard.passes.dims import DimInfo, module_of, source_line
+from autoshard.passes.rules import arg, is_tensor_node, shape_of
+from autoshard.passes.spmd import Collective, LayoutError
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default

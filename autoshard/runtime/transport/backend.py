@@ -1,7 +1,7 @@
 """The interface every communication backend implements.
 
 A backend moves plain tensors (no autograd) between the ranks of one mesh axis group, as the
-rank of the current :func:`~autoshard.runtime.context.current` context. Reduction is always a
+rank of the current :func:`~autoshard.runtime.transport.rank_context.current` context. Reduction is always a
 sum; averaging is an explicit scale in the graph (docs/design.md, "The ownership algebra").
 
 Semantics, for a group of ``n`` ranks in axis-coordinate order and this rank at index ``i``:
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .context import current
+from autoshard.runtime.transport.rank_context import current
 
 
 class CollectiveError(RuntimeError):
