@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 __all__ = ["TrainingOptions", "SearchOptions", "RewriteOptions", "PipelineOptions", "PrecisionOptions",
            "RecomputeOptions", "ContextOptions", "ExpertOptions", "Options", "OPTION_TYPES", "collect",
-           "parse_bytes", "parse_dtype", "parse_units", "parse_switch", "CHECKPOINT_CHOICES"]
+           "parse_bytes", "parse_dtype", "parse_units", "parse_switch", "CHECKPOINT_CHOICES", "option_flag"]
 
 
 def _opt(default, doc: str, *, flag: Optional[str] = None, parse=None, choices=None, metavar=None):
@@ -173,7 +173,7 @@ class SearchOptions:
                                "calibrate, or a cost.Hardware / CostModel; default $AUTOSHARD_HARDWARE or cpu-gloo",
                          metavar="PRESET|FILE.json")
     memory_limit: Union[float, str, None] = _opt(None, "bytes per device the plan must fit in, e.g. 80GB "
-                                                       "(runs the search)", metavar="BYTES")
+                                                       "(runs the search)", parse=parse_bytes, metavar="BYTES")
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ class PipelineOptions:
                                metavar="AXIS")
     microbatches: Optional[int] = _opt(None, "pipeline: microbatches per step (args are one step's batch)",
                                        parse=int, metavar="N")
-    schedule: Optional[str] = _opt(None, "pipeline schedule (gpipe, 1f1b, interleaved, zero-bubble, ...)",
+    schedule: Optional[str] = _opt(None, "pipeline schedule: gpipe, 1f1b, interleaved or zero_bubble",
                                    metavar="NAME")
     virtual: Optional[int] = _opt(None, "pipeline: stages per pipeline rank (interleaved schedules)", parse=int,
                                   flag="--virtual-stages", metavar="N")
@@ -318,6 +318,15 @@ _SLOT = {TrainingOptions: "training", SearchOptions: "search", RewriteOptions: "
 # flat keyword of autoshard() -> the option type holding the field of that name
 FLAT_KEYWORDS = {f.name: t for t in (TrainingOptions, SearchOptions, RewriteOptions, RecomputeOptions)
                  for f in fields(t)}
+
+
+def option_flag(f) -> str:
+    """The command-line flag of an option field: its own, or ``--field-name``.
+
+    >>> [option_flag(f) for f in fields(PrecisionOptions)]
+    ['--precision', '--reduce-precision']
+    """
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _default(f):
