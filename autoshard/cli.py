@@ -244,7 +244,13 @@ def _flag_value(f, text: str):
 def options_from_flags(ns) -> list:
     """The option objects (:mod:`autoshard.options`) the flags in ``ns`` set: one object per
     kind with any of its flags given, the others left out (``autoshard.autoshard``'s
-    defaults). See :func:`add_option_flags`."""
+    defaults). A value that does not parse is a :class:`UsageError` naming the flag.
+
+    Example::
+
+        ns = build_parser().parse_args(["plan", "m.py:f", "--mesh", "dp=2", "--recompute", "on"])
+        options_from_flags(ns)   # [RecomputeOptions(checkpoint=True)]
+    """
     out = []
     for cls in OPTION_TYPES:
         given = {f.name: _flag_value(f, getattr(ns, _dest(cls, f))) for f in dataclasses.fields(cls)

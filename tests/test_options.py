@@ -93,3 +93,23 @@ def test_a_plan_from_objects_equals_the_plan_from_keywords():
     with pytest.raises(ValueError, match="disagree"):
         autoshard.autoshard(model, args, mesh=mesh, dims=dims, layout=layout, zero_stage=1,
                             options=TrainingOptions(train=True, zero_stage=3))
+
+
+def test_the_options_page_lists_every_field_and_flag():
+    from pathlib import Path
+
+    from autoshard.options import option_flag
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
+    for cls in OPTION_TYPES:
+        for f in dataclasses.fields(cls):
+            assert f"| `{cls.__name__}.{f.name}` |" in page and f"| `{option_flag(f)}` |" in page, f.name
+
+
+def test_the_examples_in_the_docstrings_run():
+    import doctest
+
+    import autoshard.options as module
+
+    result = doctest.testmod(module)
+    assert result.attempted >= 10 and result.failed == 0
