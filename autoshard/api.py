@@ -1,7 +1,9 @@
 """The public entry point: ``autoshard.autoshard(model, args, mesh=..., dims=..., layout=...)``.
 
-One function calling small steps in data-flow order: capture -> named dims -> layout -> SPMD
-rewrite. The result is a :class:`~autoshard.plan.Plan`.
+One function calling small steps in data-flow order: check -> capture -> name -> search ->
+build -> finish (``_check`` ... ``_finish`` below, each one call). Its options are the typed
+objects of :mod:`autoshard.options` or the keywords of the same names. The result is a
+:class:`~autoshard.plan.Plan`.
 
 Example::
 
@@ -218,25 +220,11 @@ def _plan(model, args, kwargs, mesh, dims, layout, opts: Options, *, captured=No
 def _check(model, args, kwargs, mesh, dims, layout, opts: Options, captured, verbose, decision) -> _Request:
     """Every argument checked before anything is captured; the mesh, pipeline, search and
     precision decided from them."""
-    tr, rc = opts.training, opts.recompute
-    check_zero_stage(tr.zero_stage)
-    check_disabled(opts.rewrite.disable_passes)
+    _check_training(opts)
     check_layout(layout)
     check_dims(dims)
-    train, checkpoint, pipeline = tr.train, rc.checkpoint, opts.pipeline
-    if (tr.zero_stage or tr.reshard_after_forward is not None) and not train:
-        raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
-    if tr.reshard_after_forward is not None and tr.zero_stage != 3:
-        raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
-    if tr.units is not None:
-        check_policy(tr.units)
     memory_limit = parse_bytes(opts.search.memory_limit)
-    if checkpoint is not None and not isinstance(checkpoint, bool):
-        raise ValueError(f"checkpoint must be True, False or None, not {checkpoint!r}")
-    if checkpoint and not train:
-        raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
-    if checkpoint and pipeline is not None:
-        raise ValueError("checkpoint=True is not supported with pipeline= yet (stage programs are not cut into blocks)")
+    checkpoint, pipeline = opts.recompute.checkpoint, opts.pipeline
     meshes = mesh.meshes() if isinstance(mesh, AutoMesh) else None
     if meshes is None:
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
@@ -259,6 +247,25 @@ def _check(model, args, kwargs, mesh, dims, layout, opts: Options, captured, ver
         model, args, kwargs = cast_for_precision(model, args, kwargs, param_dtype)
     return _Request(model, tuple(args), kwargs, mesh, meshes, dims, layout, opts, memory_limit, searching, pipe,
                     auto_pp, param_dtype, reduce_dtype, resolve_cost_model(opts.search.hardware), verbose, decision)
+
+
+def _check_training(opts: Options) -> None:
+    """The training options agree with each other (ZeRO and recompute need ``train=True``)."""
+    tr, checkpoint = opts.training, opts.recompute.checkpoint
+    check_zero_stage(tr.zero_stage)
+    check_disabled(opts.rewrite.disable_passes)
+    if (tr.zero_stage or tr.reshard_after_forward is not None) and not tr.train:
+        raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
+    if tr.reshard_after_forward is not None and tr.zero_stage != 3:
+        raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
+    if tr.units is not None:
+        check_policy(tr.units)
+    if checkpoint is not None and not isinstance(checkpoint, bool):
+        raise ValueError(f"checkpoint must be True, False or None, not {checkpoint!r}")
+    if checkpoint and not tr.train:
+        raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
+    if checkpoint and opts.pipeline is not None:
+        raise ValueError("checkpoint=True is not supported with pipeline= yet (stage programs are not cut into blocks)")
 
 
 def _capture(req: _Request, captured):
@@ -323,7 +330,7 @@ def _search(req: _Request, cap, info) -> _Found:
                                    schedule=pipeline.schedule, microbatches=pipeline.microbatches,
                                    virtual=pipeline.virtual)
         if decision.pp > 1:
-            return _Found(None, req.mesh, 0, None, False, None, decision, _plan_pipeline(req, decision, t))
+            return _Found(None, req.mesh, 0, None, False, None, decision, _plan_pipeline(req, decision))
         result = decision.flat
     else:
         meshes = req.meshes or [req.mesh if pipe is None else
@@ -341,7 +348,7 @@ def _search(req: _Request, cap, info) -> _Found:
                   decision)
 
 
-def _plan_pipeline(req: _Request, decision, started: float) -> Plan:
+def _plan_pipeline(req: _Request, decision) -> Plan:
     """The pipelined plan ``decision`` (``cost.pipeline_search``) chose for ``Mesh.auto``: the
     layout and ZeRO stage found, planned on its mesh, the program captured again for one
     microbatch."""
