@@ -288,8 +288,6 @@ OPTION_TYPES = (TrainingOptions, SearchOptions, RewriteOptions, PipelineOptions,
 # option objects given as one dict keyword of autoshard(): keyword -> type (None: no such object)
 _DICT_KEYWORDS = {"pipeline": PipelineOptions, "precision": PrecisionOptions, "context": ContextOptions,
                   "moe": ExpertOptions}
-# objects absent unless asked for: a pipeline, mixed precision (None and an empty object differ)
-_PRESENCE = (PipelineOptions, PrecisionOptions)
 
 
 @dataclass(frozen=True)
