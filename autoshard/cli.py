@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .options import OPTION_TYPES, option_flag
+from .options import OPTION_TYPES, option_flag, parse_bytes
 
 EXIT_USAGE = 2
 
@@ -334,11 +334,9 @@ def cmd_explain(ns) -> int:
 
 
 def _export(plan, args, kwargs, out, ns):
-    # deferred: torch is heavy; --help and typing mistakes answer without loading it
-    from autoshard.passes.export import export_plan
-
-    return export_plan(plan, out, args, kwargs, weights=ns.weights, weights_prefix=ns.weights_prefix,
-                       reference=False if ns.no_reference else None, overwrite=ns.force)
+    budget = {} if ns.check_budget is None else {"check_budget": int(parse_bytes(ns.check_budget))}
+    return plan.export(out, args, kwargs, weights=ns.weights, weights_prefix=ns.weights_prefix,
+                       reference=False if ns.no_reference else None, overwrite=ns.force, **budget)
 
 
 def cmd_export(ns) -> int:
@@ -447,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--weights-prefix", metavar="PREFIX",
                         help="with --weights: the FQN under which the checkpoint's keys live in the model")
         sp.add_argument("--no-reference", action="store_true", help="do not save references for --check")
+        sp.add_argument("--check-budget", metavar="BYTES",
+                        help="largest model state (e.g. 2GB) checked against a whole unsharded reference; beyond "
+                             "it, and for a model on the meta device, --check runs one block of each kind (default 2GB)")
 
     sp = sub.add_parser("export", help="write a directory runnable with torchrun")
     planning(sp)

@@ -38,6 +38,7 @@ from autoshard.passes.recompute import checkpoint_blocks
 from autoshard.passes.dims import DimInfo, module_of
 from autoshard.passes.export import export_plan
 from autoshard.passes.spmd import Layout, Program
+from .block_check import add_block_check
 
 
 @dataclass(frozen=True)
@@ -521,7 +522,10 @@ class Plan:
         """
         if args is None and kwargs is None and self.example_inputs is not None:
             args, kwargs = self.example_inputs
-        return export_plan(self, path, args, kwargs, **options)
+        out = export_plan(self, path, args, kwargs, **options)
+        if options.get("reference") is None:
+            add_block_check(self, out, steps=options.get("reference_steps", 2), lr=options.get("lr", 1e-3))
+        return out
 
     # ------------------------------------------------------------------ cost model (autoshard.cost)
     @property
