@@ -78,10 +78,11 @@ def prepare(root: Path, args) -> dict:
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
     if args.check and not doc.get("reference"):  # before the weights: a meta export has neither
-        why = (doc.get("missing") or {}).get("reference")
+        missing = doc.get("missing") or {}
+        why = "; ".join(w for w in (missing.get("reference"), missing.get("block_check")) if w)
         raise RunError("this export has no references to check against" + (f": {why}" if why else "")
                        + " (hint: export a model with real weights and example inputs, reference=True; "
-                       "models over 2 GiB skip them)")
+                       "over the check budget, a model whose blocks repeat is checked one block of each kind)")
     weights = open_weights(root, doc, args.weights, args.allow_partial, args.weights_prefix)
     loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
     user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
