@@ -3,7 +3,8 @@
 ::
 
     autoshard plan    examples/models.py:llama_tiny --mesh dp=2,tp=2 --layout batch=dp,heads=tp,ffn=tp
-    autoshard explain examples/models.py:llama_tiny --mesh tp=4 --layout heads=tp,ffn=tp
+    autoshard summary examples/models.py:llama_tiny --mesh tp=4 --layout heads=tp,ffn=tp
+    autoshard explain examples/models.py:llama_tiny --mesh dp=2,tp=2 --train   # why this plan (plan.explain())
     autoshard export  examples/models.py:llama_tiny out/llama --mesh dp=2,tp=2 --layout ...
     autoshard run     examples/models.py:llama_tiny --mesh dp=2,tp=2 --layout ... [--steps 2]
     autoshard calibrate ...
@@ -288,7 +289,7 @@ def cmd_plan(ns) -> int:
     return 0
 
 
-def explain(plan) -> str:
+def summary(plan) -> str:
     """A compact view: layout, what is sharded, every collective with its reason."""
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from tabulate import tabulate
@@ -327,9 +328,15 @@ def _size(n) -> str:
     return str(n)
 
 
+def cmd_summary(ns) -> int:
+    plan, _, _ = _make_plan(ns)
+    print(summary(plan))
+    return 0
+
+
 def cmd_explain(ns) -> int:
     plan, _, _ = _make_plan(ns)
-    print(explain(plan))
+    print(plan.explain())
     return 0
 
 
@@ -435,7 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="print the plan: named dims, owners, collectives with reasons")
     planning(sp)
     sp.set_defaults(func=cmd_plan)
-    sp = sub.add_parser("explain", help="print a compact view: layout and every collective with its reason")
+    sp = sub.add_parser("summary", help="print a compact view: layout and every collective with its reason")
+    planning(sp)
+    sp.set_defaults(func=cmd_summary)
+    sp = sub.add_parser("explain", help="print why the cost model chose this plan (plan.explain())")
     planning(sp)
     sp.set_defaults(func=cmd_explain)
 

@@ -52,8 +52,15 @@ def test_plan_prints_the_tables(capsys):
     assert "contracted dim ffn is sharded on tp in layers.0.mlp.down_proj -> partial sum" in out
 
 
-def test_explain_is_compact(capsys):
+def test_explain_says_why_the_plan_was_chosen(capsys):
     rc, out, err = run_cli(capsys, "explain", LLAMA, "--mesh", "tp=4", "--layout", "heads=tp,ffn=tp")
+    assert rc == 0, err
+    assert out.startswith("Plan on Mesh(tp=4): tp: ffn+heads. Predicted step ")
+    assert "The layout was given, not searched" in out and "collectives:" not in out
+
+
+def test_summary_is_compact(capsys):
+    rc, out, err = run_cli(capsys, "summary", LLAMA, "--mesh", "tp=4", "--layout", "heads=tp,ffn=tp")
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0] == "Llama on Mesh(tp=4) (4 ranks)"
@@ -104,7 +111,7 @@ def test_every_option_field_has_a_flag():
     from autoshard.options import OPTION_TYPES, option_flag
 
     commands = cli.build_parser()._subparsers._group_actions[0].choices
-    for command in ("plan", "explain", "export", "run"):
+    for command in ("plan", "summary", "explain", "export", "run"):
         helps = {s: a.help for a in commands[command]._actions for s in a.option_strings}
         for cls in OPTION_TYPES:
             for f in dataclasses.fields(cls):
@@ -157,7 +164,7 @@ def test_calibrate_rejects_a_bad_mesh_in_one_line(capsys):
 
 def test_module_entry_point():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "autoshard", "explain", LLAMA, "--mesh", "tp=2",
+    proc = subprocess.run([sys.executable, "-m", "autoshard", "summary", LLAMA, "--mesh", "tp=2",
                            "--layout", "heads=tp,ffn=tp"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Llama on Mesh(tp=2) (2 ranks)")
