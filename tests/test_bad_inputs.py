@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,11 +27,10 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import autoshard  # noqa: E402
-from autoshard import LayoutError, Mesh, cli  # noqa: E402
-from autoshard.passes.capture import CaptureError  # noqa: E402
+import autoshard
+from autoshard import LayoutError, Mesh, cli
+from autoshard.passes.capture import CaptureError
 
 MODELS = str(ROOT / "examples" / "models.py")
 LLAMA = f"{MODELS}:llama_tiny"
@@ -333,8 +331,8 @@ def test_cli_run_passes_arguments_after_the_double_dash(monkeypatch, capsys):
 # an exported run.py, before its process group starts (items 6 and 9): RunError, one line
 # ------------------------------------------------------------------------------------------------
 
-from autoshard.passes import export_runner as R  # noqa: E402
-from autoshard.passes.export import simulate_export  # noqa: E402
+from autoshard.passes import export_runner as R
+from autoshard.passes.export import simulate_export
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ capacity policy against an independent reference, training steps.
 import collections
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +19,8 @@ from autoshard.cost import tokens_per_expert
 from autoshard.runtime import run_simulated
 from autoshard.runtime import experts as X
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from examples.models import moe_tiny  # noqa: E402
-from exactness import assert_exact, assert_training_within_spread, reference, reference_train  # noqa: E402
+from examples.models import moe_tiny
+from tests.helpers.exactness import assert_exact, assert_training_within_spread, reference, reference_train
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -191,7 +187,7 @@ def _as_float64(model):
 
 def _train_exactly(plan, model, args, steps=3):
     """AdamW steps equal single-device training within its own float32 spread (float32
-    against float64, per parameter tensor: tests/exactness.py)."""
+    against float64, per parameter tensor: tests/helpers/exactness.py)."""
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     losses, params = plan.simulate_train([args] * steps, optimizer=make)
     assert_training_within_spread(losses, params, model, [args] * steps, make, as_float64=_as_float64)
@@ -341,8 +337,8 @@ def _hf_impl(name, impl):
 
 def _namings():
     """The experts dim inferred (named ``experts`` by the pass), or named by the user on the stacked
-    weights and on the router's weight as ``tests/hf_zoo.py`` does (``"*.mlp.gate.weight": "experts hidden"``)."""
-    from hf_zoo import EXPERTS_DIMS
+    weights and on the router's weight as ``tests/helpers/hf_zoo.py`` does (``"*.mlp.gate.weight": "experts hidden"``)."""
+    from tests.helpers.hf_zoo import EXPERTS_DIMS
     return {"inferred": HF_DIMS, "named": {**HF_DIMS, **EXPERTS_DIMS}}
 
 
@@ -360,7 +356,7 @@ def _assert_exact64(plan, model, args):
     result or, where a sum in another order (over ranks, over an expert's rows) lands further, at
     most 10x as far from the float64 result as one device's float32 result is
     (``test_property.close``): a bound set by the model's own rounding, on any CPU."""
-    from test_property import close
+    from tests.helpers.exactness import close
     ref_out, ref_grads = reference(model, args)
     f64 = []
 
@@ -434,7 +430,7 @@ def test_batched_and_grouped_mm_train_exactly_with_the_router_named_experts(impl
     ``experts hidden``: losses and every parameter equal single-device training, within 10x the
     float32-vs-float64 spread of that training (AdamW divides by sqrt(v) and magnifies rounding
     of near-zero gradients, so the bound comes from the run itself)."""
-    from test_property import close
+    from tests.helpers.exactness import close
     model, args = _hf_impl("mixtral", impl)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=_namings()["named"], layout=DATA,
                                train=True, strict=True)

@@ -21,13 +21,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
-from autoshard.passes.export import ExportError, simulate_export, torchrun_command  # noqa: E402
-from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+import autoshard
+from autoshard.passes import export_runner as R
+from autoshard.passes.export import ExportError, simulate_export, torchrun_command
+from autoshard.runtime.collectives import ADJOINTS
+from examples.models import gpt2_tiny, llama_tiny
 
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, with_labels=True)
 TP4 = dict(mesh={"tp": 4}, layout={"heads": "tp", "ffn": "tp"}, with_labels=False)

@@ -3,20 +3,15 @@ mesh: per-step losses, the trained parameters, and the collectives each rank ran
 resharding, and DDP with small gradient buckets (asynchronous all-reduces on gloo). Collectives
 go through shared memory (all ranks on this host), ZeRO-3 once more through gloo's sockets."""
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.launch import spawn  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from exactness import train_steps  # noqa: E402
+import autoshard
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.launch import spawn
+from examples.models import llama_tiny
+from tests.helpers.exactness import train_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 3

@@ -1,7 +1,5 @@
 """Data-parallel gradient sync of replicated regions (passes/grad_regions.py) and forward sums
 started early (passes/early_sums.py): fewer synchronous collectives, the same training."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +9,7 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import Mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exactness import assert_trains_like_single_device  # noqa: E402
+from tests.helpers.exactness import assert_trains_like_single_device
 
 VOCAB, SEQ, DIM = 16, 8, 12
 

@@ -3,21 +3,15 @@ marks them ``consume=True``; the runtime sums in place and tells autograd). The 
 backend sums into a consumed input as gloo does, so these run the in-place path."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import fx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.passes.inplace_sums import IN_PLACE, consume_sum_inputs  # noqa: E402
-from autoshard.runtime import all_reduce, run_simulated  # noqa: E402
-from autoshard.runtime import collectives as C  # noqa: E402
-from test_overlap_linear import _transformer_plan  # noqa: E402
+import autoshard
+from autoshard.passes.inplace_sums import IN_PLACE, consume_sum_inputs
+from autoshard.runtime import all_reduce, run_simulated
+from autoshard.runtime import collectives as C
+from test_overlap_linear import _transformer_plan
 
 aten = torch.ops.aten
 

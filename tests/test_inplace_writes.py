@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import LayoutError, Mesh
-from test_property import close
+from tests.helpers.exactness import close
 
 B, S, H = 4, 8, 8
 NAMES = ["batch", "seq", "hid"]  # dims of y, by position

@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import autoshard
+from autoshard.passes import export_runner as R
+from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers
+from autoshard.passes.export import ExportError, run_torchrun, simulate_export, simulate_run
 
-import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
-from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers  # noqa: E402
-from autoshard.passes.export import ExportError, run_torchrun, simulate_export, simulate_run  # noqa: E402
-
-import hf_zoo  # noqa: E402
-from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
+from tests.helpers import hf_zoo
+from transformers import AutoConfig, LlamaForCausalLM
 
 MESH = {"dp": 2, "tp": 2}
 LAYOUT = {"batch": "dp", "heads": "tp", "kv_heads": "tp", "ffn": "tp"}

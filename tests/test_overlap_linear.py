@@ -4,27 +4,21 @@ gradients: ``runtime/overlap_linear.py`` (the fused autograd node) and ``passes/
 one bit for bit, and the all-reduce must be in flight while the weight gradients are computed."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import autoshard  # noqa: E402
-from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums  # noqa: E402
-from autoshard.runtime import collectives as C  # noqa: E402
-from autoshard.runtime import mark_varying, run_simulated  # noqa: E402
-from autoshard.runtime.backend import Pending  # noqa: E402
-from autoshard.runtime.context import current  # noqa: E402
-from autoshard.runtime.overlap_linear import varying_linears  # noqa: E402
-from autoshard.runtime import simulated  # noqa: E402
-from autoshard.runtime.simulated import SimulatedBackend  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums
+from autoshard.runtime import collectives as C
+from autoshard.runtime import mark_varying, run_simulated
+from autoshard.runtime.backend import Pending
+from autoshard.runtime.context import current
+from autoshard.runtime.overlap_linear import varying_linears
+from autoshard.runtime import simulated
+from autoshard.runtime.simulated import SimulatedBackend
+from examples.models import llama_tiny
 
 aten = torch.ops.aten
 

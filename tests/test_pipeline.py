@@ -5,8 +5,6 @@ The exactness matrix covers every schedule, every composition (pp alone, pp x dp
 pp x dp x tp, ZeRO-1/2/3 per stage, tied embeddings) and M=4 and M=8 at least once each,
 not their full product."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +16,8 @@ from autoshard.runtime import CollectiveError, current, run_simulated
 from autoshard.runtime.collectives import recv, send
 from autoshard.runtime.schedules import Action, B, F, W, check_schedule, make_schedule
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread
 
 SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
 
@@ -241,7 +238,7 @@ SGD = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)  #
 
 def assert_trains_like(plan, model, args, make_opt):
     """3 steps on the simulated mesh equal 3 single-device steps on the whole batch, within the
-    float32 spread of single-device training (float32 against float64: tests/exactness.py)."""
+    float32 spread of single-device training (float32 against float64: tests/helpers/exactness.py)."""
     losses, params = plan.simulate_train([args] * 3, optimizer=make_opt)
     assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 

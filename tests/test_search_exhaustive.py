@@ -8,12 +8,11 @@
 - Exactness: every candidate the search can return for the Llama-style and GPT-2-style examples
   on a 4-rank mesh reproduces the single-device outputs and gradients on the simulated mesh.
 
-Rerun one case with ``python tests/test_search_exhaustive.py SEED``.
+Rerun one case with ``python -m tests.test_search_exhaustive SEED`` (from the repository root).
 """
 import math
 import random
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +30,7 @@ from autoshard.passes.dims import infer_dims
 from autoshard.api import apply_dim_names
 from autoshard.plan import Plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from examples.models import gpt2_tiny, llama_tiny
 
 
 # --------------------------------------------------------------------------- random programs
@@ -279,7 +277,7 @@ def test_every_candidate_exact_dp2xtp2(factory):
     assert checked >= total // every - 1 and total > 50
 
 
-if __name__ == "__main__":  # python tests/test_search_exhaustive.py SEED
+if __name__ == "__main__":  # python -m tests.test_search_exhaustive SEED
     seed = int(sys.argv[1])
     model, args, dims, mesh, cm, train, _ = random_case(seed)
     print(model, mesh, cm, "train" if train else "forward")

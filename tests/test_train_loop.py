@@ -7,19 +7,16 @@ import json
 import math
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.mesh import Mesh  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
-from autoshard.passes.export import simulate_run  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.mesh import Mesh
+from autoshard.passes import export_runner as R
+from autoshard.passes.export import simulate_run
+from examples.models import llama_tiny
 
 B, S, VOCAB = 4, 8, 64
 LOOP = ["--lr-schedule", "cosine", "--warmup", "2", "--clip-grad-norm", "1.0", "--lr", "1e-2"]

@@ -2,8 +2,6 @@
 Grouping moves the same values, so every policy trains bit for bit like one collective per
 parameter; the plan lists one all-gather and one reduce-scatter per unit with its parameters."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ from autoshard.passes.units import unit_of
 from autoshard.runtime import all_gather_varying, run_simulated
 from autoshard.runtime.collectives import gather_unit, start_gather_unit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
+from examples.models import llama_tiny
 
 MESH, LAYOUT = {"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"}
 
