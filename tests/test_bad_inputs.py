@@ -285,8 +285,16 @@ CLI = {
 FACTORY = '''import torch
 def broken():
     return 1 / 0
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        y = self.proj(x)
+        if y.sum() > 0:
+            return y * 2
+        return y
 def branchy():
-    from test_bad_inputs import Branchy
     return Branchy(), (torch.randn(2, 4),), ["batch -"]
 '''
 
@@ -295,7 +303,6 @@ def branchy():
 def test_cli_library_errors_are_one_line(name, capsys, monkeypatch, tmp_path):
     argv, env, pattern = CLI[name]
     (tmp_path / "factory.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AUTOSHARD_DEBUG", raising=False)

@@ -29,8 +29,8 @@ from autoshard.passes.export import simulate_export, simulate_run, torchrun_comm
 from autoshard.runtime.collectives import ADJOINTS
 from autoshard.runtime.schedules import Action, check_schedule, dependencies, make_schedule, stage_rank
 from tests.helpers.exactness import assert_training_within_spread
-from test_pipeline import masked_batch, pipeline_plan
-from test_train_loop import expected_lr
+from tests.helpers.pipeline import masked_batch, pipeline_plan
+from tests.helpers.train_loop import expected_lr
 
 ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731 - run.py's default optimizer
 CALL = re.compile(r"^\s+\w+ = (" + "|".join(ADJOINTS) + r")\(")

@@ -24,8 +24,8 @@ LAYOUT = {"batch": ("dp", "ep"), "experts": "ep"}
 def make_plan(experts="grouped"):
     if experts == "batched_mm":  # Hugging Face Mixtral, the router named as tests/helpers/hf_zoo.py names it
         from tests.helpers.hf_zoo import EXPERTS_DIMS
-        from test_experts import HF_DIMS, _hf_impl
-        (model, args), dims = _hf_impl("mixtral", "batched_mm"), {**HF_DIMS, **EXPERTS_DIMS}
+        from tests.helpers.hf_moe import HF_DIMS, hf_moe
+        (model, args), dims = hf_moe("mixtral", "batched_mm"), {**HF_DIMS, **EXPERTS_DIMS}
     else:
         model, args, dims = moe_tiny(experts=experts, with_labels=True)
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "ep": 2}), dims=dims, layout=LAYOUT,

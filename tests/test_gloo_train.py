@@ -84,11 +84,11 @@ def embedded_plan(zero_stage=3):
     # token and position embeddings: the position table's all_gather and its gradient sum run
     # between two units, so the next unit's gather has its own start and its reduce-scatter is held
     # (zero_stage=0: the gradients summed by buckets of a few parameters each instead)
-    from test_units import _Embedded
+    from tests.helpers.pos_model import Embedded
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     args = (torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g))
-    plan = autoshard.autoshard(_Embedded(), args, mesh=autoshard.Mesh({"dp": 2}),
+    plan = autoshard.autoshard(Embedded(), args, mesh=autoshard.Mesh({"dp": 2}),
                                dims={"tokens": "batch seq", "labels": "batch seq"}, layout={"batch": "dp"},
                                train=True, search=False, zero_stage=zero_stage,
                                **(dict(reshard_after_forward=True) if zero_stage == 3 else dict(bucket_mb=0.001)))
@@ -106,7 +106,7 @@ def test_units_started_after_plain_collectives_on_gloo_equal_simulation():
 def positions_plan(zero_stage):
     # a position table at arange and a scale read by it and by the tokens: a replicated region
     # whose gradient sum goes into the sharded state's reduce-scatters (grad_regions)
-    from test_grad_regions import DIMS, PosModel, batch
+    from tests.helpers.pos_model import DIMS, PosModel, batch
     torch.manual_seed(0)
     model = PosModel()
     plan = autoshard.autoshard(model, batch(), mesh=autoshard.Mesh({"dp": 2}), dims=DIMS, layout={"batch": "dp"},

@@ -31,7 +31,7 @@ from autoshard.runtime.simulated import run_simulated
 
 from tests.helpers import hf_zoo
 from transformers import AutoConfig, LlamaForCausalLM
-from test_meta_export import DIMS, LAYOUT, MESH, hf_llama, plan_of
+from tests.helpers.hf_llama import DIMS, LAYOUT, MESH, hf_llama, plan_of
 
 # the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
 SHARD_SIZE = "20KB"

@@ -289,7 +289,7 @@ def test_gloo_sums_run_under_backward_and_equal_the_simulation():
 
 @pytest.mark.slow
 def test_exported_program_prints_later_and_trains_on_gloo(tmp_path):
-    from test_export import torchrun
+    from tests.helpers.torchrun import torchrun
     plan, _, args = _sp_plan({"tp": 2})
     path = plan.export(tmp_path / "sp", args)
     assert (path / "program.py").read_text().count("later = True") == len(ROW_PARAMS)

@@ -17,7 +17,7 @@ from autoshard.runtime.pending_value import PendingValue
 from passes.output_sums import LAZY
 
 from tests.helpers.exactness import assert_training_within_spread
-from test_grad_regions import PosModel, batch, plan_for, train_matches_single_device
+from tests.helpers.pos_model import PosModel, batch, plan_for, train_matches_single_device
 
 
 class _Work:

@@ -16,8 +16,8 @@ from autoshard.runtime import CollectiveError, current, run_simulated
 from autoshard.runtime.collectives import recv, send
 from autoshard.runtime.schedules import Action, B, F, W, check_schedule, make_schedule
 
-from examples.models import llama_tiny
 from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.pipeline import masked_batch, pipeline_plan
 
 SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
 
@@ -205,32 +205,6 @@ def test_point_to_point_failures_are_reported():
 
 
 # --------------------------------------------------------------------------- training
-
-
-def masked_batch(batch=16, layers=8, **config):
-    """Llama-style model with 8 layers; labels masked so microbatches have different numbers
-    of valid tokens (one row entirely masked)."""
-    model, (ids, _, labels), dims = llama_tiny(with_labels=True, batch=batch, num_layers=layers, **config)
-    labels = labels.clone()
-    for row in range(batch):
-        labels[row, : row % 5] = -100
-    labels[3] = -100
-    return model, (ids, None, labels), dims
-
-
-MESHES = {
-    "pp2": ({"pp": 2}, {"batch": None}),
-    "pp4": ({"pp": 4}, {"batch": None}),
-    "pp2xdp2": ({"pp": 2, "dp": 2}, {"batch": "dp"}),
-    "pp2xtp2": ({"pp": 2, "tp": 2}, {"batch": None, "heads": "tp", "ffn": "tp"}),
-    "pp2xdp2xtp2": ({"pp": 2, "dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"}),
-}
-
-
-def pipeline_plan(model, args, dims, mesh, schedule, m, zero=None, **pipeline):
-    axes, layout = MESHES[mesh]
-    return autoshard.autoshard(model, args, mesh=Mesh(axes), dims=dims, layout=layout, train=True, zero_stage=zero,
-                               pipeline={"microbatches": m, "schedule": schedule, **pipeline})
 
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)  # noqa: E731

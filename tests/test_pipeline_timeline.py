@@ -13,7 +13,7 @@ from autoshard import Mesh
 from autoshard.cost.pipeline import bubble, schedule_timeline
 from autoshard.runtime.schedules import dependencies, make_schedule
 
-from test_pipeline import masked_batch, pipeline_plan
+from tests.helpers.pipeline import masked_batch, pipeline_plan
 
 
 class Block(torch.nn.Module):

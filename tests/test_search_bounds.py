@@ -18,7 +18,7 @@ from autoshard.cost import load_hardware
 from autoshard.cost.model import CostModel
 from autoshard.cost.search import SearchSpace
 
-from test_search_exhaustive import STRUCTURED, prepared, random_case
+from tests.helpers.search_cases import STRUCTURED, prepared, random_case
 
 # training cases of random_case with small spaces (1- and 2-axis meshes, overlap on and off)
 SEEDS = [0, 1, 3, 4, 9, 20, 29]

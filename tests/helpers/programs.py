@@ -455,6 +455,7 @@ class Gen:
 
 
 def run_steps(mod, p: Program, x, idx=None):
+    """The program's forward: its steps on ``x`` (and ``idx``); returns (loss, *outputs)."""
     env = []
     binop = {"add": torch.add, "sub": torch.sub, "mul": torch.mul}
     for step in p.steps:
@@ -540,6 +541,7 @@ class ProgXIdx(_Base):
 
 
 def make_args(p: Program, seed: int) -> tuple:
+    """Seeded example inputs of the program's shapes."""
     g = torch.Generator().manual_seed(seed)
     args = [torch.randn(p.shape(p.inputs["x"]), generator=g) * 0.5]
     if "idx" in p.inputs:
@@ -557,6 +559,7 @@ def make(seed: int):
 
 
 def program_source(p: Program) -> str:
+    """The program written out as Python, for failure messages."""
     lines = [f"# program seed {p.seed}; sizes {p.sizes}",
              "# params: " + ", ".join(f"{f}{p.shape(d)} '{p.dims_spec(d)}'" for f, d in p.params.items()),
              "# inputs: " + ", ".join(f"{n}{p.shape(d)} '{p.dims_spec(d)}'" for n, d in p.inputs.items())]
@@ -572,6 +575,7 @@ def program_source(p: Program) -> str:
 
 
 def random_layout(r: random.Random, p: Program):
+    """(mesh, layout): a random mesh and a layout of 1-3 named dims, now and then an invalid one."""
     mesh = r.choice(MESHES)
     names = p.names()
     k = r.choices([1, 2, 3], [0.45, 0.4, 0.15])[0]
@@ -644,4 +648,5 @@ def predict(p: Program, mesh: dict, layout: dict):
 
 
 def sharded_anything(layout: dict) -> bool:
+    """Whether the layout splits any dim at all."""
     return any(_axes(v) for v in layout.values())
