@@ -35,7 +35,7 @@ import autoshard
 from autoshard import LayoutError, Mesh
 from autoshard.ownership import Partial
 from tests.helpers.exactness import close
-from tests.helpers.programs import (Gen, Program, _axes, make, make_args, predict, predict_units, program_source,
+from tests.helpers.programs import (Gen, Program, axes_of, make, make_args, predict, predict_units, program_source,
                                     random_layout, sharded_anything)
 
 # More programs for a longer search: AUTOSHARD_PROPERTY_PROGRAMS=1000 pytest tests/test_property.py
@@ -123,7 +123,7 @@ def check_case(p, model, args, ref, mesh_axes, layout, case_info) -> str:
     assert expected is None, f"expected a {expected} rejection ({detail}), but it planned:\n{plan}"
     for name, v in layout.items():
         # axes that split one dim are reported (and nest) in mesh order
-        assert plan.layout[name] == tuple(sorted(_axes(v), key=list(mesh_axes).index)), (name, plan.layout)
+        assert plan.layout[name] == tuple(sorted(axes_of(v), key=list(mesh_axes).index)), (name, plan.layout)
     case_info["signatures"] = bug_signatures(plan)
     ref_out, ref_grads = ref.out, ref.grads
     assert {c.kind for c in plan.collectives} <= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}

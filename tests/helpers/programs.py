@@ -599,7 +599,8 @@ def random_layout(r: random.Random, p: Program):
     return mesh, layout
 
 
-def _axes(v) -> tuple:
+def axes_of(v) -> tuple:
+    """A layout entry's axes as a tuple (None: none; a name: that one)."""
     return () if v is None else (v,) if isinstance(v, str) else tuple(v)
 
 
@@ -610,7 +611,7 @@ def predict_units(p: Program, mesh: dict, layout: dict) -> dict:
     units = {a: [] for a in mesh}
     for key, v in layout.items():
         atoms, degree = p.leaves((key,)), 1
-        for a in _axes(v):
+        for a in axes_of(v):
             degree *= mesh[a]
             k = 1
             while math.prod(p.sizes[x] for x in atoms[:k]) % degree:
@@ -623,7 +624,7 @@ def predict(p: Program, mesh: dict, layout: dict):
     """(kind, details) the library must raise, or (None, None) for a valid layout."""
     names = set(p.names())
     for key, v in layout.items():
-        axes = _axes(v)
+        axes = axes_of(v)
         if any(a not in mesh for a in axes):
             return "unknown_axis", key
         if len(set(axes)) != len(axes):
@@ -649,4 +650,4 @@ def predict(p: Program, mesh: dict, layout: dict):
 
 def sharded_anything(layout: dict) -> bool:
     """Whether the layout splits any dim at all."""
-    return any(_axes(v) for v in layout.values())
+    return any(axes_of(v) for v in layout.values())
