@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard import CaptureError, Mesh
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from tests.helpers.exactness import reference_train, sgd_momentum
 from tests.helpers.exactness import close
 

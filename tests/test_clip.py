@@ -7,7 +7,7 @@ import torch
 
 import autoshard
 from autoshard.runtime import run_simulated
-from autoshard.runtime.clip import clip_grad_norm_
+from autoshard.runtime.execution.clip import clip_grad_norm_
 from examples.models import llama_tiny
 
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"})

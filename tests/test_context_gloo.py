@@ -13,7 +13,7 @@ import torch
 
 import autoshard
 from autoshard.runtime import DistributedBackend, current, rank_context, run_simulated
-from autoshard.runtime.launch import spawn
+from autoshard.runtime.transport.launch import spawn
 from examples.models import llama_tiny
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import autoshard
 from autoshard import Mesh
 from autoshard.cost import tokens_per_expert
 from autoshard.runtime import run_simulated
-from autoshard.runtime import experts as X
+from autoshard.runtime.primitives import experts as X
 
 from examples.models import moe_tiny
 from tests.helpers.exactness import assert_exact, assert_training_within_spread, reference, reference_train

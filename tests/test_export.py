@@ -22,9 +22,9 @@ from torch.utils import _pytree as pytree
 ROOT = Path(__file__).resolve().parents[1]
 
 import autoshard
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from autoshard.passes.export import ExportError, simulate_export
-from autoshard.runtime.collectives import ADJOINTS
+from autoshard.runtime.primitives.collectives import ADJOINTS
 from examples.models import gpt2_tiny, llama_tiny
 from tests.helpers.torchrun import torchrun
 
@@ -91,7 +91,7 @@ def test_every_collective_has_a_comment_naming_module_and_reason(exports, name):
 def test_program_is_a_plain_module_with_named_imports(exports):
     plan, _, path = exports["dp_tp"]
     src = (path / "program.py").read_text()
-    assert "from autoshard.runtime.collectives import all_reduce, mark_varying" in src
+    assert "from autoshard.runtime.primitives.collectives import all_reduce, mark_varying" in src
     assert "aten = torch.ops.aten" in src and "torch.ops.aten." not in src
     assert "autoshard_runtime_collectives" not in src and not re.search(r"^\s+self,", src, re.M)
     # one parameter per program input, in placeholder order, each with its owner
@@ -227,7 +227,7 @@ def test_broken_exports_are_refused(exports, tmp_path, monkeypatch):
     cases = {
         "truncated": lambda d: (d / "plan.json").write_text((src / "plan.json").read_text()[:500]),
         "version": lambda d: (d / "plan.json").write_text(
-            (src / "plan.json").read_text().replace('"version": 1', '"version": 99')),
+            (src / "plan.json").read_text().replace(f'"version": {R.VERSION}', '"version": 99')),
         "owner": lambda d: (d / "plan.json").write_text(
             (src / "plan.json").read_text().replace('"S(1)"', '"X(1)"')),
         "weights": lambda d: (d / "weights.pt").unlink(),
@@ -309,7 +309,7 @@ def test_quickstart_runs_end_to_end():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check passed: sharded plan equals the unsharded model" in proc.stdout
     assert "check passed: outputs and gradients equal the unsharded model's on all 4 ranks" in proc.stdout
-    from autoshard.runtime.shm import usable_here
+    from autoshard.runtime.transport.shm import usable_here
     if usable_here():  # one host: run.py says its collectives go through shared memory
         assert "(4 gloo processes, collectives through shared memory)" in proc.stdout
 

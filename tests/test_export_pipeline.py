@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 import autoshard
 from autoshard.passes.export import simulate_export, simulate_run, torchrun_command
-from autoshard.runtime.collectives import ADJOINTS
-from autoshard.runtime.schedules import Action, check_schedule, dependencies, make_schedule, stage_rank
+from autoshard.runtime.primitives.collectives import ADJOINTS
+from autoshard.runtime.execution.schedules import (Action, check_schedule, dependencies, make_schedule, stage_rank)
 from tests.helpers.exactness import assert_training_within_spread
 from tests.helpers.pipeline import masked_batch, pipeline_plan
 from tests.helpers.train_loop import expected_lr

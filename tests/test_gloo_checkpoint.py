@@ -8,7 +8,7 @@ import torch
 import autoshard
 from autoshard.ownership import assemble
 from autoshard.runtime import DistributedBackend, rank_context
-from autoshard.runtime.launch import spawn
+from autoshard.runtime.transport.launch import spawn
 from examples.models import llama_tiny
 from tests.helpers.exactness import train_steps
 

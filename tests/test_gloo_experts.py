@@ -11,7 +11,7 @@ import torch
 
 import autoshard
 from autoshard.runtime import DistributedBackend, rank_context
-from autoshard.runtime.launch import spawn
+from autoshard.runtime.transport.launch import spawn
 from autoshard.passes.export import torchrun_command
 from examples.models import moe_tiny
 from tests.helpers.exactness import train_steps

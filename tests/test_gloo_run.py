@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 import autoshard
 from autoshard.ownership import Partial, local_piece
 from autoshard.runtime import DistributedBackend, rank_context
-from autoshard.runtime.launch import SpawnError, spawn
+from autoshard.runtime.transport.launch import SpawnError, spawn
 from examples.models import llama_tiny
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 
 import autoshard
 from autoshard.runtime import DistributedBackend, rank_context
-from autoshard.runtime.launch import spawn
+from autoshard.runtime.transport.launch import spawn
 from examples.models import llama_tiny
 from tests.helpers.exactness import train_steps
 
@@ -75,7 +75,7 @@ def test_training_on_gloo_equals_simulation(config, shared_memory):
     assert_equals_simulation(results, plan, args)
     assert {r.phase for r in plan.last_trace[0]} >= {"forward", "backward"}
     if config == "sp":
-        from autoshard.runtime.overlap_linear import varying_linears
+        from autoshard.runtime.primitives.overlap_linear import varying_linears
         assert [n for n in plan.graph_module.graph.nodes
                 if n.target is varying_linears and n.kwargs.get("gather_dim") == 1]
 

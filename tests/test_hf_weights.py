@@ -25,9 +25,9 @@ import safetensors.torch
 
 import autoshard
 import autoshard.passes.export
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from autoshard.passes.export import run_torchrun, simulate_export, simulate_run
-from autoshard.runtime.simulated import run_simulated
+from autoshard.runtime.transport.simulated import run_simulated
 
 from tests.helpers import hf_zoo
 from transformers import AutoConfig, LlamaForCausalLM
@@ -269,8 +269,8 @@ _LOAD_RANK0 = """
 import json, sys, torch
 from pathlib import Path
 import autoshard
-from autoshard.passes import export_runner as R
-from autoshard.runtime.simulated import run_simulated
+from autoshard.runtime import export as R
+from autoshard.runtime.transport.simulated import run_simulated
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
 path, src = Path(sys.argv[1]), Path(sys.argv[2])

@@ -10,7 +10,7 @@ from torch import fx
 import autoshard
 from autoshard.passes.inplace_sums import IN_PLACE, consume_sum_inputs
 from autoshard.runtime import all_reduce, run_simulated
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 from tests.helpers.tp_transformer import transformer_plan
 
 aten = torch.ops.aten

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers
 from autoshard.passes.export import ExportError, run_torchrun, simulate_export, simulate_run
 

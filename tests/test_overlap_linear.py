@@ -1,5 +1,5 @@
 """Column-parallel linears with their input-gradient all-reduce overlapped with their weight
-gradients: ``runtime/overlap_linear.py`` (the fused autograd node) and ``passes/overlap_linear.py``
+gradients: ``runtime/primitives/overlap_linear.py`` (the fused autograd node) and ``passes/overlap_linear.py``
 (the pass that puts it into tensor-parallel programs). The fused program must be the unfused
 one bit for bit, and the all-reduce must be in flight while the weight gradients are computed."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
 from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 from autoshard.runtime import mark_varying, run_simulated
-from autoshard.runtime.backend import Pending
-from autoshard.runtime.context import current
-from autoshard.runtime.overlap_linear import varying_linears
-from autoshard.runtime import simulated
-from autoshard.runtime.simulated import SimulatedBackend
+from autoshard.runtime.transport.backend import Pending
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.primitives.overlap_linear import varying_linears
+from autoshard.runtime.transport import simulated
+from autoshard.runtime.transport.simulated import SimulatedBackend
 from examples.models import llama_tiny
 from tests.helpers.tp_transformer import transformer_plan
 

@@ -1,5 +1,5 @@
 """Gradient sums of parameters read nowhere else, added into ``.grad`` when backward ends:
-``runtime/param_sums.py`` with ``mark_varying(..., later=True)`` and ``passes/param_sums.py``
+``runtime/primitives/param_sums.py`` with ``mark_varying(..., later=True)`` and ``passes/param_sums.py``
 (the pass that marks them). Gradients must be those of the synchronous sums bit for bit, and
 on gloo the sum must still be in flight while the rest of backward runs."""
 from __future__ import annotations
@@ -13,13 +13,13 @@ from torch import fx
 import autoshard
 from autoshard.passes.param_sums import LATER, sum_param_grads_later
 from autoshard.runtime import DistributedBackend, mark_varying, rank_context, run_simulated
-from autoshard.runtime import collectives as C
-from autoshard.runtime import param_sums
-from autoshard.runtime import simulated
-from autoshard.runtime.backend import Pending
-from autoshard.runtime.context import current
-from autoshard.runtime.launch import spawn
-from autoshard.runtime.simulated import SimulatedBackend
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.primitives import param_sums
+from autoshard.runtime.transport import simulated
+from autoshard.runtime.transport.backend import Pending
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.transport.launch import spawn
+from autoshard.runtime.transport.simulated import SimulatedBackend
 from examples.models import llama_tiny
 from tests.helpers.exactness import assert_training_within_spread
 

@@ -11,7 +11,7 @@ import torch
 import autoshard
 from autoshard import Mesh
 from autoshard.cost.pipeline import bubble, schedule_timeline
-from autoshard.runtime.schedules import dependencies, make_schedule
+from autoshard.runtime.execution.schedules import dependencies, make_schedule
 
 from tests.helpers.pipeline import masked_batch, pipeline_plan
 

@@ -21,7 +21,7 @@ from autoshard import Mesh
 from autoshard.cost import load_hardware
 from autoshard.cost.model import CostModel, program_cost
 from autoshard.cost.search import SearchSpace, search_layout
-from autoshard.cost.checkpoint import checkpointed_program_cost
+from autoshard.cost.recompute import checkpointed_program_cost
 from autoshard.plan import Plan
 
 from examples.models import gpt2_tiny, llama_tiny

@@ -14,7 +14,7 @@ import torch
 
 import autoshard
 from autoshard.mesh import Mesh
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from autoshard.passes.export import simulate_run
 from examples.models import llama_tiny
 from tests.helpers.train_loop import expected_lr
@@ -177,11 +177,11 @@ def test_a_ckpt_directory_is_held_by_one_job_and_a_dead_holder_is_taken_over(tmp
     import subprocess
     import textwrap
 
-    from autoshard.runtime import checkpoint as ckpt
+    from autoshard.runtime.execution import checkpoint as ckpt
 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from autoshard.runtime.checkpoint import DirectoryLock
+        from autoshard.runtime.execution.checkpoint import DirectoryLock
         DirectoryLock.take({str(tmp_path)!r})
         print("held", flush=True)
         time.sleep(120)

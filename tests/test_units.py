@@ -8,9 +8,9 @@ import torch
 
 import autoshard
 from autoshard import Mesh
-from autoshard.passes.units import unit_of
+from autoshard.passes.zero_units import unit_of
 from autoshard.runtime import all_gather_varying, run_simulated
-from autoshard.runtime.collectives import gather_unit, start_gather_unit
+from autoshard.runtime.primitives.collectives import gather_unit, start_gather_unit
 
 from examples.models import llama_tiny
 from tests.helpers.pos_model import Embedded
