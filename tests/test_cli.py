@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from autoshard import cli  # noqa: E402
+from autoshard import cli
 
 MODELS = str(ROOT / "examples" / "models.py")
 LLAMA = f"{MODELS}:llama_tiny"
