@@ -5,21 +5,15 @@ float32 spread bound. The simulated version, every ZeRO stage: test_grad_accum.p
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import autoshard  # noqa: E402
-from autoshard.passes.export import torchrun_command  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
-from test_grad_accum import B, K, OPTIMIZERS, S, STEPS, padded_batch  # noqa: E402
+import autoshard
+from autoshard.passes.export import torchrun_command
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.grad_accum import B, K, OPTIMIZERS, S, STEPS, padded_batch
 
 pytestmark = pytest.mark.slow
 

@@ -6,59 +6,19 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import simulate_run  # noqa: E402
-from autoshard.runtime.execution.checkpoint import read_manifest  # noqa: E402
-from autoshard.runtime.execution.grad_accum import microbatch_weights, split_rows  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread, reference_train, within_spread  # noqa: E402
-
-B, S, K, STEPS, LR = 4, 8, 2, 3, 1e-2
-
-
-# padded label positions per row: of the 7 shifted labels per row, microbatch 1 (rows 0-3) keeps
-# 6 + 7 + 5 + 7 = 25, microbatch 2 keeps 1 + 2 + 4 + 0 = 7; each data rank's half differs too
-PADS = (1, 0, 2, 0, 6, 5, 3, 7)
-
-
-def padded_batch(rows: int, seed: int = 5):
-    """``rows`` token rows whose labels are padded (-100) at the end of each row by a different
-    amount: the valid counts differ between rows, so between microbatches and data ranks."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (rows, S), generator=g)
-    labels = ids.clone()
-    for r in range(rows):
-        pad = PADS[r % len(PADS)]
-        if pad:
-            labels[r, S - pad:] = -100
-    return ids, labels
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=LR)
-
-
-def sgd(params):
-    """Plain SGD: the update is the gradient itself, so any error in it shows in the parameters
-    (AdamW's first steps are nearly the gradient's sign, blind to an error of its scale)."""
-    return torch.optim.SGD(params, lr=0.5)
-
-
-# run.py's options for each reference optimizer
-OPTIMIZERS = {"adamw": (["--optimizer", "adamw", "--lr", str(LR)], adamw),
-              "sgd": (["--optimizer", "sgd", "--lr", "0.5"], sgd)}
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.passes.export import simulate_run
+from autoshard.runtime.execution.checkpoint import read_manifest
+from autoshard.runtime.execution.grad_accum import microbatch_weights, split_rows
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread, reference_train, within_spread
+from tests.helpers.grad_accum import B, K, LR, OPTIMIZERS, S, STEPS, adamw, padded_batch, sgd
 
 
 def export(tmp_path, mesh, layout, zero_stage):

@@ -19,21 +19,19 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import safetensors  # noqa: E402
-import safetensors.torch  # noqa: E402
+import safetensors
+import safetensors.torch
 
-import autoshard  # noqa: E402
-import autoshard.passes.export  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import run_torchrun, simulate_export, simulate_run  # noqa: E402
-from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
+import autoshard
+import autoshard.passes.export
+from autoshard.runtime import export as R
+from autoshard.passes.export import run_torchrun, simulate_export, simulate_run
+from autoshard.runtime.transport.simulated import run_simulated
 
-import hf_zoo  # noqa: E402
-from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
-from test_meta_export import DIMS, LAYOUT, MESH, hf_llama, plan_of  # noqa: E402
+from tests.helpers import hf_zoo
+from transformers import AutoConfig, LlamaForCausalLM
+from tests.helpers.hf_llama import DIMS, LAYOUT, MESH, hf_llama, plan_of
 
 # the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
 SHARD_SIZE = "20KB"
