@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import functools
 import gc
 import math
 import sys
@@ -39,7 +40,8 @@ from .options import (ContextOptions, ExpertOptions, Options, PipelineOptions, P
                       SearchOptions, collect, parse_bytes)
 from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatches, finish_pipeline,
                             first_microbatch, pipeline_options)
-from .plan import Plan
+from .block_check import add_block_check
+from .plan import EXPORT_HOOKS, Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.guards import UnsupportedModelError
 from autoshard.passes.recompute import block_name, block_regions
@@ -621,3 +623,7 @@ def apply_dim_names(info, cap, dims) -> None:
                                       f"{seen[1]} (size {seen[0]}) and dim {d} of {target} (size {size}); a name is "
                                       f"one logical dim: give one of them another name (e.g. via a narrower glob "
                                       f"than {key!r})")
+
+
+# an export over the check budget carries its checked model, planned as the plan was (block_check.py)
+EXPORT_HOOKS.append(functools.partial(add_block_check, autoshard=autoshard))

@@ -210,14 +210,17 @@ def export_block_check(plan, path, *, plan_fn, steps: int = 2, lr: float = 1e-3,
             "parameters": sum(p.numel() for p in small.parameters())}
 
 
-def add_block_check(plan, path, *, steps: int = 2, lr: float = 1e-3) -> None:
+def add_block_check(plan, path, options: dict, *, autoshard) -> None:
     """After ``export_plan``: an export written without references because the model is over
     the check budget or on the meta device gets ``checks/`` (:func:`export_block_check`) and a
     ``block_check`` entry in plan.json; where that cannot be done, plan.json's ``missing`` says
     why. Pipelined plans are not checked this way yet (their stages cut the block lists)."""
+    if options.get("reference") is not None:  # asked for, or refused, explicitly
+        return
+    steps, lr = options.get("reference_steps", 2), options.get("lr", 1e-3)
     path = Path(path)
     doc = json.loads((path / PLAN_JSON).read_text())
-    why = (doc.get("missing") or {}).get("reference") or ""
+    why = (doc.get("missing") or {}).get("reference") or ""  # ``autoshard``: the planner (api.py registers it)
     if doc.get("reference") or not ("check budget" in why or "meta device" in why):
         return
     try:
@@ -225,17 +228,15 @@ def add_block_check(plan, path, *, steps: int = 2, lr: float = 1e-3) -> None:
             raise BlockCheckError("a pipelined plan is not checked block by block yet")
         if plan.example_inputs is None:
             raise BlockCheckError("the plan has no example inputs (their shapes are the checked model's)")
-        doc["block_check"] = export_block_check(plan, path, plan_fn=_replan(plan), steps=steps, lr=lr)
+        doc["block_check"] = export_block_check(plan, path, plan_fn=_replan(plan, autoshard), steps=steps, lr=lr)
     except BlockCheckError as e:
         doc.setdefault("missing", {})["block_check"] = str(e)
     (path / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def _replan(plan):
+def _replan(plan, autoshard):
     """Plans a model as ``plan`` was planned: its options, with the mesh, layout, ZeRO stage and
     units the plan settled on (no search: the checked model must carry the same layout)."""
-    from .api import autoshard  # deferred: the façade's entry point imports this module's importer
-
     opts = plan.options
     fixed = [replace(opts.training, zero_stage=plan.zero_stage if plan.train else None, units=plan.units),
              replace(opts.search, search=False, memory_limit=None)]
