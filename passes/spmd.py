@@ -41,7 +41,9 @@ from autoshard.runtime import collectives as C
 from autoshard.runtime.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
+from .collective import Collective
 from .export_errors import CaptureError
+from .lowering import Lowering
 from .regions import no_grad_node
 from .grad_regions import bucketable_region, drop_marks, sum_regions_in_storage, use_kind
 from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
@@ -58,23 +60,6 @@ class LayoutError(ValueError):
 
 class UnsupportedOpWarning(UserWarning):
     """An op without a sharding rule runs replicated (exact, but gathers its inputs)."""
-
-
-@dataclass
-class Collective:
-    """One collective in the plan: what moves, where, and why."""
-
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send | recv
-    axes: tuple
-    bytes: int  # payload of this rank's input buffer
-    phase: str  # forward | backward | optimizer
-    where: str  # module FQN of the op that needs the conversion
-    why: str
-    node: str = ""  # the value converted
-    line: str = ""  # source line of the consumer
-    tag: int = -1  # links runtime trace records to this entry
-    op: str = ""  # runtime function inserted in the forward program
-    params: tuple = ()  # parameters a grouped collective carries (ZeRO-3 units, gradient buckets)
 
 
 # The name of a Mixture-of-Experts layer's experts dim (passes/experts.py names it when the user
@@ -255,7 +240,8 @@ class _Rewriter:
         self.joined: set = set()  # (node, axis): pending sums of branches joined with a whole operand
         self.soft_gathers: dict = {}  # (local node, axis) -> its one gather (soft entries)
         self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
-        self.tag = 0
+        self.tag = 0  # the next collective tag (new_tags)
+        self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
         self.unit_memo: dict = {}  # (leaves, axis, soft) -> unit (the layout is fixed for one rewrite)
 
     # ------------------------------------------------------------------ layout queries
@@ -458,8 +444,7 @@ class _Rewriter:
     def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=(), kwargs=None):
         if callable(reason):
             reason = reason()
-        tag = self.tag
-        self.tag += 1
+        tag = self.new_tags(1)
         new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag, **(kwargs or {})})
         val = self.local_val(node)
         nbytes = 0
@@ -482,6 +467,12 @@ class _Rewriter:
                                                why if fn.__name__ == "mark_varying" else "adjoint: " + why,
                                                src.name, line, tag, fn.__name__))
         return new
+
+    def new_tags(self, n: int) -> int:
+        """Reserve ``n`` consecutive collective tags; returns the first."""
+        first = self.tag
+        self.tag += n
+        return first
 
     def explain(self, fn, src, consumer, axis, s, t, reason) -> str:
         op = getattr(consumer.target, "__name__", str(consumer.target)).split(".")[0]
@@ -607,7 +598,7 @@ class _Rewriter:
 
     def visit(self, node: fx.Node):
         if node in self.regions:
-            return self.regions[node](self, node)
+            return self.regions[node](self.lowering, node)
         self.visit_op(node)
         src = node.args[0] if node.args else None
         if isinstance(src, fx.Node) and _is_view(node) and (
