@@ -32,7 +32,7 @@ import re
 
 from autoshard.runtime import collectives as C
 
-from .spmd import Collective
+from .collective import Collective
 
 POLICIES = ("block", "model", "param")
 
