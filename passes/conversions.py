@@ -231,7 +231,7 @@ def convert(rw, src, out: int, target: tuple, varying: set, consumer, reason):
     node = rw.local[src] if out is None or not isinstance(rw.local[src], list) else rw.local[src][out]
     needs_grad = src in rw.rg
     varying = frozenset(varying) if needs_grad else frozenset()
-    rw.note_use(src, cur, target, varying, consumer)
+    rw.grad_sync.note_use(rw, src, cur, target, varying, consumer)  # (bookkeeping of the gradient sync)
     key = (src, out, target, varying)
     if key in rw.cache:
         return rw.cache[key]

@@ -15,7 +15,9 @@ Per op and per mesh axis, one of three modes (the op's rule says which letters a
 - replicate: every operand whole; Partial operands pass through ops linear in them.
 
 Conversions are emitted lazily at the consumer and cached per value, so a value read by q, k and
-v projections is converted once (one backward all-reduce, not three).
+v projections is converted once (one backward all-reduce, not three). Each conversion is a table
+of placement changes per axis (:mod:`autoshard.passes.conversions`); nodes that a pass lowers
+itself (``regions``) are written through :class:`autoshard.passes.lowering.Lowering`.
 
 Example::
 
@@ -49,7 +51,7 @@ from .lowering import Lowering
 from .zero_storage import ZeroStorage
 from .zigzag import zigzag_dim
 from .regions import no_grad_node
-from .grad_regions import bucketable_region, drop_marks, sum_regions_in_storage, use_kind
+from .grad_sync import GradSync
 from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
                     get_path, is_inplace, is_tensor_node, shape_of)
@@ -199,22 +201,15 @@ class _Rewriter:
                  storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
                  collectives_only: bool = False, region_axis=None,
                  user_inputs=(), data_axes=()):
-        # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
-        # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
+        # Nodes whose program another pass writes ({node: visitor(lowering, node)}, with the
+        # passes/lowering.Lowering of this rewrite; e.g. the MoE regions of passes/experts.py),
+        # and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
         self.fixed = fixed or {}
         self.display = display  # placeholder name -> parameter FQN / argument name, for messages
         self.zero = ZeroStorage(storage)  # sharded parameter state (ZeRO-2/3): passes/zero_storage.py
-        # Data-parallel gradient sync by buckets: parameters whose every use is per-rank work on
-        # the data axis lose their mark_varying there; GradBuckets sums their gradients instead.
-        self.bucket_axis = bucket_axis
-        self.bucket_uses: dict = {name: set() for name in (bucket_candidates or ())}
-        # Replicated regions computed from parameters (passes/grad_regions.py) send their
-        # gradient sum on this data axis to the parameters: into the buckets, or into the
-        # reduce-scatters of sharded state (ZeRO-2/3) when there are no buckets.
-        self.region_axis = bucket_axis if bucket_axis is not None else region_axis
-        self.bucket_marks: dict = {}  # value name -> its mark_varying nodes on that axis
-        self.grad_uses: dict = {}  # gradient-carrying node -> [(reader, kind on that axis)] (grad_regions)
+        # data-parallel gradient sync (buckets, region sums): passes/grad_sync.py
+        self.grad_sync = GradSync(bucket_axis, bucket_candidates, region_axis)
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -292,19 +287,6 @@ class _Rewriter:
         change table of :mod:`autoshard.passes.conversions`."""
         return conversions.convert(self, src, out, target, varying, consumer, reason)
 
-    def note_use(self, src, cur, target, varying, consumer) -> None:
-        """Bookkeeping of the gradient sync for each read of ``src`` (``cur`` -> ``target``):
-        whether a bucket candidate is read by per-rank work on the data axis only, and how
-        each gradient-carrying value is read there (``grad_regions``)."""
-        if src.name in self.bucket_uses:
-            self.bucket_uses[src.name].add(self.bucket_axis in varying)
-        if src in self.rg and self.region_axis is not None:
-            i, a = self.axes.index(self.region_axis), self.region_axis
-            st = self.zero.storage.get(src.name)
-            # a parameter stored sharded on the axis is read from its gathered (or full) copy
-            whole = R if st is not None and st.axis == a else cur[i]
-            self.grad_uses.setdefault(src, []).append((consumer, use_kind(whole, target[i], a in varying)))
-
     def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=(), kwargs=None):
         """Add collective ``fn`` (``runtime.collectives``) of ``node`` (a value of ``src``) on
         ``axis``, changing ``s`` into ``t`` for ``consumer``; record it (and, when ``src`` carries
@@ -320,8 +302,8 @@ class _Rewriter:
         if val is not None:
             new.meta["val"] = conversions.converted_val(self.mesh, val, fn.__name__, axis, extra)
         new.meta["autoshard"] = {"where": module_of(consumer), "why": reason, "tag": tag, "grad": src in self.rg}
-        if fn is C.mark_varying and axis == self.region_axis:
-            self.bucket_marks.setdefault(src.name, []).append(new)
+        if fn is C.mark_varying:
+            self.grad_sync.note_mark(src, axis, new)
         fwd, bwd = C.ADJOINTS[fn.__name__]
         where, line = module_of(consumer), source_line(consumer)
         why = explain(self, fn.__name__, src, consumer, axis, s, t, reason)
@@ -390,34 +372,14 @@ class _Rewriter:
                 # inlines or refuses the submodules of higher-order ops)
                 raise CaptureError(f"the rewriter cannot run a {node.op} node: {self.where(node)} (capture "
                                    f"inlines or refuses the submodules of higher-order ops; this one it left)")
-        bucketed = self.take_bucketed()
+        bucketed = self.grad_sync.take_bucketed(self)
+        self.grad_sync.sum_in_storage(self)
         zero = self.zero
-        if self.bucket_axis is None and self.region_axis is not None and zero.stored_reads:
-            self.collectives = sum_regions_in_storage(
-                self.g0, self.g, self.rg, self.place, self.grad_uses, self.region_axis, self.axes, zero.storage,
-                zero.stored_reads, self.bucket_marks, self.collectives)
         # (inside lazy_programs() the Python code is generated only if the program is run or printed)
         gm = None if isinstance(self.g, _CollectivesOnly) else _make_graph_module(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
                        self.collectives, self.fallbacks, placeholders, frozenset(zero.reshard_tags),
                        dict(zero.storage), use_places, bucketed)
-
-    def take_bucketed(self) -> list:
-        """Drop the data-axis mark_varying of parameters used only by per-rank work there, and
-        of replicated regions computed from parameters alone (passes/grad_regions.py); the
-        parameters are synchronized by gradient buckets. Returns them in the order their
-        gradients become ready (reverse order of first use)."""
-        first_use = {}
-        for i, node in enumerate(self.g0.nodes):
-            for a in node.all_input_nodes:
-                first_use.setdefault(a.name, i)
-        names = [n for n, uses in self.bucket_uses.items() if uses == {True} and n in self.bucket_marks]
-        region = bucketable_region(self.g0, self.rg, self.place, self.grad_uses, self.axes.index(self.bucket_axis),
-                                   self.bucket_uses) if self.bucket_axis is not None else set()
-        names += [n for n in self.bucket_uses if n in region and n not in names]
-        dropped = drop_marks(sorted(set(names) | region), self.bucket_marks, self.g)
-        self.collectives = [c for c in self.collectives if c.tag not in dropped]
-        return sorted(names, key=lambda n: -first_use.get(n, 0))
 
     def meta_local(self, val, place):
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
