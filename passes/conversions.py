@@ -242,6 +242,8 @@ def convert(rw, src, out: int, target: tuple, varying: set, consumer, reason):
     for phase_ix, i in enumerate(order):
         phase = PHASES[0] if phase_ix < len(axes) else PHASES[1]
         s, t = state[i], target[i]
+        if s == t:  # (the common case: nothing to change on this axis)
+            continue
         row = (phase, kind(s), kind(t))
         hooks, handler = HOOKS.get(row), CHANGES.get(row)
         new = None
