@@ -41,20 +41,20 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from autoshard.ownership import P, R, Partial, Shard, local_shape
 from autoshard.runtime import collectives as C
 
-from .dims import DimInfo, module_of, source_line
-from .collective import Collective
 from . import conversions
+from .collective import Collective
+from .dims import DimInfo, module_of, source_line
 from .export_errors import CaptureError
-from .layout_error import LayoutError
-from .reasons import explain
-from .lowering import Lowering
-from .zero_storage import ZeroStorage
-from .zigzag import zigzag_dim
-from .regions import no_grad_node
 from .grad_sync import GradSync
-from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
+from .layout_error import LayoutError
+from .lowering import Lowering
+from .reasons import explain
+from .regions import no_grad_node
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
                     get_path, is_inplace, is_tensor_node, shape_of)
+from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
+from .zero_storage import ZeroStorage
+from .zigzag import zigzag_dim
 
 aten = torch.ops.aten
 
