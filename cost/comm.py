@@ -36,7 +36,7 @@ from typing import Callable
 
 import sympy as sp
 
-from autoshard.runtime.primitives.collectives import COMM_KINDS
+from autoshard.runtime.primitives.collectives import COMM_KINDS, POINT_TO_POINT
 
 from .hardware import LinkSpec
 
@@ -142,7 +142,7 @@ def collective_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
     """
     k = _kind(kind)
     _check(payload_bytes, ranks)
-    if ranks == 1 and k not in ("send", "recv"):
+    if ranks == 1 and k not in POINT_TO_POINT:  # a group of one moves nothing
         return 0.0
     return float(_bytes_fn(k)(float(payload_bytes), float(ranks)))
 
@@ -159,7 +159,7 @@ def collective_time(kind: str, payload_bytes: float, ranks: int, link: LinkSpec)
     """
     k = _kind(kind)
     _check(payload_bytes, ranks)
-    if ranks == 1 and k not in ("send", "recv"):
+    if ranks == 1 and k not in POINT_TO_POINT:  # a group of one moves nothing
         return 0.0
     return float(_time_fn(k)(float(payload_bytes), float(ranks), float(link.latency),
                              1.0 / link.effective_bandwidth))
