@@ -386,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def exporting(sp):
         sp.add_argument("--weights", help="checkpoint run.py slices instead of the model's weights: a state dict "
-                                          "by parameter name, a .safetensors file or a save_pretrained directory")
+                                          "by parameter name, a .safetensors file, a save_pretrained directory or a "
+                                          "DCP checkpoint")
         sp.add_argument("--weights-prefix", metavar="PREFIX",
                         help="with --weights: the FQN under which the checkpoint's keys live in the model")
         sp.add_argument("--no-reference", action="store_true", help="do not save references for --check")

@@ -49,6 +49,7 @@ from autoshard.ownership import ParamStorage, Replicate, Shard, local_piece
 from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import OPTIMIZERS, UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, SliceSource, Slot
 from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime import weights_dcp
 from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 from autoshard.passes import export_pipeline_runner
@@ -282,8 +283,8 @@ def read_safetensors(src: Path) -> dict:
             files = ["model.safetensors"]
         else:
             raise RunError(f"weights checkpoint {src} is a directory without model.safetensors or "
-                           f"model.safetensors.index.json (hint: a Hugging Face save_pretrained directory, a "
-                           f".safetensors file or a torch.save state dict)")
+                           f"model.safetensors.index.json (hint: a Hugging Face save_pretrained directory, a DCP "
+                           f"checkpoint, a .safetensors file or a torch.save state dict)")
         paths = [src / f for f in files]
     else:
         paths = [src]
@@ -311,12 +312,19 @@ def read_safetensors(src: Path) -> dict:
 
 def read_checkpoint(src, prefix: str | None = None) -> dict:
     """The ``--weights`` state by plan FQN: a torch.save state dict (memory-mapped), a
-    ``.safetensors`` file or a Hugging Face checkpoint directory (read by region). ``prefix``
+    ``.safetensors`` file, a Hugging Face checkpoint directory or a DCP checkpoint (autoshard's,
+    a ``--ckpt`` directory's newest, or a plain ``torch.distributed.checkpoint.save`` directory:
+    :mod:`autoshard.runtime.weights_dcp`), the last three read by region. ``prefix``
     (``--weights-prefix``) is where the checkpoint's keys live in the planned module: it is
     prepended to every key, so with ``self.model = hf_model`` and prefix ``model`` the
     checkpoint's ``lm_head.weight`` is the plan's ``model.lm_head.weight``."""
     src = Path(src)
-    if src.is_dir() or src.suffix == ".safetensors":
+    if weights_dcp.is_dcp(src):  # an autoshard or plain DCP checkpoint, or a --ckpt directory
+        try:
+            state = weights_dcp.read_dcp(src)
+        except ckpt.CheckpointError as e:
+            raise RunError(f"{e} (hint: check the --weights path)") from None
+    elif src.is_dir() or src.suffix == ".safetensors":
         state = read_safetensors(src)
     else:
         state = _load(src, "weights checkpoint")
@@ -757,7 +765,9 @@ def _parser():
     p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
     p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")
     p.add_argument("--weights", help="where the parameters come from: a torch.save state dict by parameter name, a "
-                                     ".safetensors file, or a Hugging Face save_pretrained directory (sharded or not)")
+                                     ".safetensors file, a Hugging Face save_pretrained directory (sharded or not), "
+                                     "or a DCP checkpoint (autoshard's, a --ckpt directory: its newest complete one, "
+                                     "or a plain torch.distributed.checkpoint.save directory)")
     p.add_argument("--weights-prefix", metavar="PREFIX",
                    help="with --weights: the FQN in the planned module under which the checkpoint's keys live "
                         "(prepended to them: 'model' when the planned module holds the HF model as self.model)")

@@ -1,0 +1,52 @@
+"""The tiny HF Llama the weights tests plan (with real weights and on the meta device), its
+dp=2 x tp=2 plan, and the torchrun runner they share: an export's per-step losses from
+``run.py --metrics`` under 4 gloo processes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import autoshard
+from autoshard.passes.export import run_torchrun
+
+import hf_zoo
+from transformers import AutoConfig, LlamaForCausalLM
+
+MESH = {"dp": 2, "tp": 2}
+LAYOUT = {"batch": "dp", "heads": "tp", "kv_heads": "tp", "ffn": "tp"}
+DIMS = {**hf_zoo.TOKENS, **hf_zoo.LLAMA_DIMS}
+
+
+def hf_llama(device=None, dtype=None, **config):
+    """(tiny HF Llama with seeded weights, or on ``device`` (meta), example kwargs); ``config``
+    overrides the zoo's decoder config (``tie_word_embeddings=True``)."""
+    cfg = AutoConfig.for_model("llama", **{**hf_zoo.DECODER, **config})
+    torch.manual_seed(0)
+    if device is not None:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    else:
+        model = LlamaForCausalLM(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, cfg.vocab_size, (hf_zoo.BATCH, hf_zoo.SEQ), generator=g)
+    kwargs = {"input_ids": ids, "labels": torch.roll(ids, 1, dims=1)}
+    if device is not None:
+        kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    return model.eval(), kwargs
+
+
+def plan_of(model, kwargs, **options):
+    return autoshard.autoshard(model, (), kwargs=kwargs, mesh=autoshard.Mesh(MESH), dims=DIMS, layout=LAYOUT,
+                               train=True, **options)
+
+
+def torchrun_losses(path, metrics: Path, *argv: str, nproc: int = 4, timeout: float = 180) -> list:
+    """The per-step losses rank 0 records (``--metrics``) when ``run.py`` of the export ``path``
+    runs ``argv`` on ``nproc`` gloo processes; asserts the job succeeded."""
+    proc = run_torchrun(path, nproc, *argv, "--metrics", str(metrics), timeout=timeout, capture=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in Path(metrics).read_text().splitlines()]
