@@ -319,6 +319,8 @@ def read_checkpoint(src, prefix: str | None = None) -> dict:
     prepended to every key, so with ``self.model = hf_model`` and prefix ``model`` the
     checkpoint's ``lm_head.weight`` is the plan's ``model.lm_head.weight``."""
     src = Path(src)
+    if (src / "plan.json").is_file() and (src / "weights.pt").is_file():
+        src = src / "weights.pt"  # another export of the same model: the weights it wrote
     if weights_dcp.is_dcp(src):  # an autoshard or plain DCP checkpoint, or a --ckpt directory
         try:
             state = weights_dcp.read_dcp(src)
@@ -336,6 +338,19 @@ def read_checkpoint(src, prefix: str | None = None) -> dict:
     return state
 
 
+def recorded_checkpoint(root: Path, doc: dict):
+    """The checkpoint plan.json points at (``plan.export(path, weights=SRC)``), or None: recorded
+    relative to the export directory, resolved against ``root`` (an absolute one as it is)."""
+    rel = doc["weights"].get("checkpoint")
+    if not rel:
+        return None
+    src = Path(root) / rel
+    if not src.exists():
+        raise RunError(f"this export reads its weights from {rel} (relative to {root}), which does not exist "
+                       f"(hint: move the weights with the export, or give run.py --weights SRC)")
+    return src
+
+
 class Weights:
     """Tensors by FQN from the weights file (and a checkpoint, for parameters: see
     :func:`read_checkpoint`), memory-mapped or, from safetensors, read by region: a rank's
@@ -345,7 +360,7 @@ class Weights:
 
     def __init__(self, root: Path, doc: dict, checkpoint=None, allow_partial: bool = False, prefix: str | None = None):
         sources = []
-        ckpt = checkpoint or doc["weights"].get("checkpoint")
+        ckpt = checkpoint or recorded_checkpoint(root, doc)
         self.partial_note = None
         w = doc["weights"]
         files = [(w.get("file", "weights.pt"), "weights file")] if w.get("file", "weights.pt") else []
