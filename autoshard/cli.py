@@ -339,6 +339,18 @@ def _launch(cmd, timeout) -> int:
     return rc
 
 
+def cmd_consolidate(ns) -> int:
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
+    from autoshard.runtime.hf_consolidate import write_hf
+
+    out = write_hf(ns.ckpt, ns.out, format=ns.format, like=ns.like, max_shard_size=ns.max_shard_size,
+                   weights_prefix=ns.weights_prefix, overwrite=ns.force)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote {out}/ ({len(files)} files: {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}); "
+          f"load it with from_pretrained({str(out)!r})")
+    return 0
+
+
 def cmd_calibrate(ns) -> int:
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.cost import calibrate
@@ -410,6 +422,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=float, default=900.0, help="seconds before torchrun is stopped")
     sp.add_argument("run_args", nargs="*", metavar="-- RUN.PY ARGS", help="more arguments for run.py after --")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("consolidate", help="write a checkpoint as a Hugging Face save_pretrained directory")
+    sp.add_argument("ckpt", metavar="CKPT", help="an autoshard checkpoint, a --ckpt directory (its newest complete "
+                                                 "one) or a torch.distributed.checkpoint directory")
+    sp.add_argument("out", metavar="OUT", help="directory to create")
+    sp.add_argument("--format", default="safetensors", choices=("safetensors",), help="file format (safetensors)")
+    sp.add_argument("--like", metavar="HF_DIR", help="copy config.json, generation config and tokenizer files from it")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest shard, as save_pretrained's (default 5GB)")
+    sp.add_argument("--weights-prefix", metavar="PREFIX", help="remove this FQN prefix from the keys (a training "
+                                                               "wrapper's attribute holding the HF model)")
+    sp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    sp.set_defaults(func=cmd_consolidate)
 
     sp = sub.add_parser("calibrate", help="measure this machine's compute and links for the cost model")
     sp.add_argument("mesh", nargs="?", default="x=2", help="mesh axes to measure, e.g. dp=2,tp=2 (default x=2)")

@@ -325,7 +325,7 @@ def read_checkpoint(src, prefix: str | None = None) -> dict:
         try:
             state = weights_dcp.read_dcp(src)
         except ckpt.CheckpointError as e:
-            raise RunError(f"{e} (hint: check the --weights path)") from None
+            raise RunError(str(e) if "hint:" in str(e) else f"{e} (hint: check the --weights path)") from None
     elif src.is_dir() or src.suffix == ".safetensors":
         state = read_safetensors(src)
     else:

@@ -1,15 +1,22 @@
 """The tiny HF Llama the weights tests plan (with real weights and on the meta device), its
-dp=2 x tp=2 plan, and the torchrun runner they share: an export's per-step losses from
+dp=2 x tp=2 plan, the checkpoints they write of it (torch's own DCP save, autoshard's save by
+an export's ranks) and the torchrun runner they share: an export's per-step losses from
 ``run.py --metrics`` under 4 gloo processes."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
 
 import autoshard
+from autoshard.passes import export_runner as R
 from autoshard.passes.export import run_torchrun
+from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.simulated import run_simulated
 
 import hf_zoo
 from transformers import AutoConfig, LlamaForCausalLM
@@ -50,3 +57,43 @@ def torchrun_losses(path, metrics: Path, *argv: str, nproc: int = 4, timeout: fl
     proc = run_torchrun(path, nproc, *argv, "--metrics", str(metrics), timeout=timeout, capture=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line)["loss"] for line in Path(metrics).read_text().splitlines()]
+
+
+def dcp_save(state: dict, path: Path) -> Path:
+    """torch's own single-process DCP save (no process group)."""
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def autoshard_save(export: Path, out: Path) -> Path:
+    """An autoshard checkpoint of an export's weights, written by its ranks (simulated) as
+    run.py's --ckpt writes one."""
+    doc = R.read_plan(export)
+    program, mesh = R.load_programs(export, doc), autoshard.Mesh(doc["mesh"])
+    weights = R.open_weights(export, doc)
+    info = {"model": doc["model"], "aliases": doc["aliases"], "state_dict_keys": doc["state_dict_keys"]}
+
+    def fn(rank):
+        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), True)
+        ckpt.save(rp.local, None, out, step=0, info=info)
+
+    run_simulated(mesh, fn)
+    return out
+
+
+class Wrapped(nn.Module):
+    """A training module that holds the HF model as an attribute: the plan's FQNs are the
+    checkpoint's keys under ``model.``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.model = inner
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def wrapped_dims() -> dict:
+    """DIMS for :class:`Wrapped`: the parameter patterns under ``model.``."""
+    return {k if k.startswith("*") or k in hf_zoo.TOKENS else "model." + k: v for k, v in DIMS.items()}

@@ -26,33 +26,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import autoshard  # noqa: E402
 from autoshard.passes import export_runner as R  # noqa: E402
 from autoshard.passes.export import simulate_export  # noqa: E402
-from autoshard.runtime import checkpoint as ckpt  # noqa: E402
 from autoshard.runtime.simulated import run_simulated  # noqa: E402
 
-from meta_llama import hf_llama, plan_of, torchrun_losses  # noqa: E402
-
-
-def dcp_save(state: dict, path: Path) -> Path:
-    """torch's own single-process DCP save (no process group)."""
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path
-
-
-def autoshard_save(export: Path, out: Path) -> Path:
-    """An autoshard checkpoint of an export's weights, written by its ranks (simulated) as
-    run.py's --ckpt writes one."""
-    doc = R.read_plan(export)
-    program, mesh = R.load_programs(export, doc), autoshard.Mesh(doc["mesh"])
-    weights = R.open_weights(export, doc)
-    info = {"model": doc["model"], "aliases": doc["aliases"], "state_dict_keys": doc["state_dict_keys"]}
-
-    def fn(rank):
-        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), True)
-        ckpt.save(rp.local, None, out, step=0, info=info)
-
-    run_simulated(mesh, fn)
-    return out
+from meta_llama import autoshard_save, dcp_save, hf_llama, plan_of, torchrun_losses  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,7 +32,7 @@ from autoshard.runtime.simulated import run_simulated  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
-from meta_llama import DIMS, LAYOUT, MESH, hf_llama, plan_of, torchrun_losses  # noqa: E402
+from meta_llama import DIMS, LAYOUT, MESH, Wrapped, hf_llama, plan_of, torchrun_losses, wrapped_dims  # noqa: E402
 
 # the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
 SHARD_SIZE = "20KB"
@@ -168,22 +167,10 @@ def test_missing_keys_are_one_line_before_the_process_group(hf, tmp_path, monkey
         R.open_weights(hf["meta"], doc, tmp_path / "empty")
 
 
-class Wrapped(nn.Module):
-    """A training module that holds the HF model as an attribute: the plan's FQNs are the
-    checkpoint's keys under ``model.``."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.model = inner
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
 def test_weights_prefix_maps_a_wrapped_models_names_to_the_checkpoint(hf):
     real, kwargs = hf_llama()
     meta, meta_kwargs = hf_llama("meta")
-    dims = {k if k.startswith("*") or k in hf_zoo.TOKENS else "model." + k: v for k, v in DIMS.items()}
+    dims = wrapped_dims()
     plans = {name: autoshard.autoshard(Wrapped(m), (), kwargs=kw, mesh=autoshard.Mesh(MESH), dims=dims,
                                        layout=LAYOUT, train=True)
              for name, m, kw in (("real", real, kwargs), ("meta", meta, meta_kwargs))}

@@ -528,15 +528,29 @@ def load_global(path, prefix: str = "") -> dict:
     return {k: p.local for k, p in state.items()}
 
 
-def consolidate(path) -> dict:
+def consolidate(path, out=None, *, format: str = "safetensors", like=None, max_shard_size="5GB",
+                weights_prefix: str | None = None, overwrite: bool = False):
     """The model's state dict from a checkpoint written under any plan: {FQN: whole tensor},
     tied aliases included, loadable with ``model.load_state_dict(state, strict=True)``.
+
+    With ``out``: the model written to the directory ``out`` as ``save_pretrained`` writes it
+    (``format="safetensors"``: shards of at most ``max_shard_size`` and their index, config and
+    tokenizer files copied from the Hugging Face directory ``like``, ``weights_prefix`` removed
+    from the keys), one tensor in memory at a time; returns ``out``
+    (:mod:`autoshard.runtime.hf_consolidate`). ``path`` may be a run's ``--ckpt`` directory:
+    its newest complete checkpoint, as ``--resume`` chooses.
 
     Example::
 
         model.load_state_dict(autoshard.consolidate("ckpt/step-10"))
         model.load_state_dict(autoshard.consolidate("ckpt"))   # a run's --ckpt: its newest verified one
+        autoshard.consolidate("ckpt", out="llama-trained", like="llama-hf")   # from_pretrained("llama-trained")
     """
+    if out is not None:
+        # deferred: hf_consolidate builds on this module (a cycle at import time)
+        from .hf_consolidate import write_hf
+        return write_hf(path, out, format=format, like=like, max_shard_size=max_shard_size,
+                        weights_prefix=weights_prefix, overwrite=overwrite)
     path = resolve(path)
     manifest = read_manifest(path)
     state = {k[len(MODEL):]: v for k, v in load_global(path, MODEL).items()}

@@ -118,15 +118,28 @@ def read_dcp(src, skipped: list | None = None) -> dict:
         skipped = []
         state = read_dcp("ck", skipped)        # ck/step-000004's model tensors
     """
+    return open_dcp(src, skipped)[2]
+
+
+def open_dcp(src, skipped: list | None = None) -> tuple:
+    """(the checkpoint directory read, its autoshard manifest or None, {FQN: DcpTensor}) of
+    ``src`` (see :func:`read_dcp`).
+
+    Example::
+
+        path, manifest, state = open_dcp("ck")   # path: ck/step-000004
+    """
     path = Path(src)
+    if not path.exists():
+        raise ckpt.CheckpointError(f"checkpoint {path} does not exist (hint: check the path)")
     if not (path / ckpt.METADATA).is_file():
         path = ckpt.resolve(path, skipped)  # a --ckpt directory: its newest complete step-*
     manifest = None
     if (path / ckpt.MANIFEST).is_file() or ckpt.partial_dir(path).is_dir():
         manifest = ckpt.read_manifest(path)  # says "incomplete" for an interrupted save
     elif not (path / ckpt.METADATA).is_file():
-        raise ckpt.CheckpointError(f"weights checkpoint {path} is neither an autoshard checkpoint nor a DCP directory "
-                                   f"(no {ckpt.MANIFEST} or {ckpt.METADATA})")
+        raise ckpt.CheckpointError(f"checkpoint {path} is neither an autoshard checkpoint nor a DCP directory "
+                                   f"(no {ckpt.MANIFEST} or {ckpt.METADATA}; hint: check the path)")
     source = _Source(path)
     saved = source.metadata.state_dict_metadata
     if manifest is not None:
@@ -137,5 +150,6 @@ def read_dcp(src, skipped: list | None = None) -> dict:
                 keys.setdefault(alias, keys[kept])
     else:
         keys = _plain_keys(source.metadata)
-    return {fqn: DcpTensor(source, key, saved[key].size, saved[key].properties.dtype) for fqn, key in keys.items()}
+    return path, manifest, {fqn: DcpTensor(source, key, saved[key].size, saved[key].properties.dtype)
+                            for fqn, key in keys.items()}
 
