@@ -130,27 +130,26 @@ print(json.dumps({"grown": status("VmHWM") - before}))
 
 @pytest.mark.slow
 def test_consolidating_holds_one_tensor_at_a_time(tmp_path):
-    """The whole-process high-water mark (VmHWM) of a fresh process consolidating a model does
-    not grow with the model: twice the layers (124 and 244 MiB, the largest tensor 4 MiB in
-    both) grows it by at most one more largest tensor, and the growth stays far below the model
-    (what is left is the tensor being written, the saved piece copied into it and the
-    allocator's and first reads' constant overhead)."""
-    grown, totals = {}, {}
+    """The whole-process high-water mark (VmHWM) of a fresh process consolidating a model is
+    bounded by a few copies of the largest tensor, whatever the model's size: for 124 and
+    244 MiB models (8 and 16 layers, the largest tensor 4 MiB in both), at most 8 largest
+    tensors. While one tensor is read, DCP's reader holds the saved piece's bytes, a copy of
+    them in a BytesIO and the tensor loaded from it, and copies that into the tensor being
+    written; the allocator keeps some of it (measured 13 or 25 MiB, for either model)."""
     for layers in (8, 16):
         cfg = AutoConfig.for_model("llama", **{**hf_zoo.DECODER, "vocab_size": 1024, "hidden_size": 512,
                                                "intermediate_size": 2048, "num_hidden_layers": layers})
         state = LlamaForCausalLM(cfg).state_dict()
-        largest, totals[layers] = max(t.nbytes for t in state.values()), sum(t.nbytes for t in state.values())
+        largest, total = max(t.nbytes for t in state.values()), sum(t.nbytes for t in state.values())
         dcp_save(state, tmp_path / f"dcp{layers}")
         del state
         proc = subprocess.run([sys.executable, "-c", _CONSOLIDATE, str(tmp_path / f"dcp{layers}"),
                                str(tmp_path / f"out{layers}")], capture_output=True, text=True, timeout=300, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr
-        grown[layers] = json.loads(proc.stdout.strip().splitlines()[-1])["grown"]
-    assert largest == 4 << 20 and totals[16] > 1.9 * totals[8]
-    assert grown[16] <= grown[8] + largest, (grown, largest)
-    assert grown[16] < totals[8] / 4, (grown, totals)
+        grown = json.loads(proc.stdout.strip().splitlines()[-1])["grown"]
+        assert largest == 4 << 20 and 8 * largest < total / 3  # the bound tells one tensor from the model
+        assert grown <= 8 * largest, (layers, grown, largest, total)
     assert len(list((tmp_path / "out16").glob("model-*.safetensors"))) == 6  # 244 MiB in 50 MB shards
 
 
