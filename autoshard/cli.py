@@ -341,7 +341,7 @@ def _launch(cmd, timeout) -> int:
 
 def cmd_consolidate(ns) -> int:
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
-    from autoshard.runtime.hf_consolidate import write_hf
+    from autoshard.runtime.execution.hf_consolidate import write_hf
 
     out = write_hf(ns.ckpt, ns.out, format=ns.format, like=ns.like, max_shard_size=ns.max_shard_size,
                    weights_prefix=ns.weights_prefix, overwrite=ns.force)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from autoshard.mesh import Mesh
-from autoshard.runtime.schedules import make_schedule
+from autoshard.runtime.execution.schedules import make_schedule
 
 from .model import block_of_module, resolve_cost_model
 from .pipeline import bubble, schedule_timeline

@@ -13,10 +13,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import autoshard
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from autoshard.passes.export import run_torchrun
-from autoshard.runtime import checkpoint as ckpt
-from autoshard.runtime.simulated import run_simulated
+from autoshard.runtime.execution import checkpoint as ckpt
+from autoshard.runtime.transport.simulated import run_simulated
 
 import hf_zoo
 from transformers import AutoConfig, LlamaForCausalLM

@@ -121,7 +121,7 @@ import json, sys
 import autoshard
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
-import autoshard.runtime.hf_consolidate, safetensors, torch.distributed.checkpoint  # imports before the baseline
+import autoshard.runtime.execution.hf_consolidate, safetensors, torch.distributed.checkpoint  # imports before the baseline
 before = status("VmRSS")
 autoshard.consolidate(sys.argv[1], out=sys.argv[2], max_shard_size="50MB")
 print(json.dumps({"grown": status("VmHWM") - before}))

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import simulate_export  # noqa: E402
-from autoshard.runtime.simulated import run_simulated  # noqa: E402
+from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
 
 from meta_llama import autoshard_save, dcp_save, hf_llama, plan_of, torchrun_losses  # noqa: E402
 

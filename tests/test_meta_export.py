@@ -24,12 +24,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers  # noqa: E402
 from autoshard.passes.export import ExportError, simulate_export, simulate_run  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from meta_llama import hf_llama, plan_of, torchrun_losses  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
