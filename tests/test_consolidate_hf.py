@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import autoshard  # noqa: E402
 from autoshard import cli  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
+from autoshard.runtime.execution import checkpoint as ckpt  # noqa: E402
+from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from meta_llama import (LAYOUT, MESH, Wrapped, autoshard_save, dcp_save, hf_llama, plan_of,  # noqa: E402
@@ -69,6 +73,28 @@ def test_consolidate_writes_what_from_pretrained_loads_bit_for_bit(trained, tmp_
         assert mine["weight_map"].keys() == theirs["weight_map"].keys()
         assert sorted(set(mine["weight_map"].values())) == sorted(set(theirs["weight_map"].values()))
         assert mine["metadata"]["total_size"] == sum(t.nbytes for t in trained["model"].state_dict().values())
+
+
+def test_every_reader_takes_a_ckpt_directorys_newest_complete_checkpoint(trained, tmp_path):
+    """consolidate, load (plan.load_checkpoint) and load_global on a healthy --ckpt directory
+    read its newest complete checkpoint, as --resume does, instead of calling it incomplete."""
+    ck = tmp_path / "ck"
+    shutil.copytree(trained["ck"] / "step-000000", ck / "step-000003")
+    (ck / ".step-000004.partial").mkdir()  # a newer save, interrupted
+    want = trained["model"].state_dict()
+    assert_same_state(autoshard.consolidate(ck), want)
+    whole = {k.removeprefix("model."): v for k, v in ckpt.load_global(ck, "model.").items()}
+    assert_same_state({k: whole[k] for k in want}, want)  # (it holds the non-persistent buffers too)
+    export = trained["tmp"] / "export"
+    doc = R.read_plan(export)
+    program, mesh = R.load_programs(export, doc), autoshard.Mesh(doc["mesh"])
+    weights = R.open_weights(export, doc)
+
+    def fn(rank):
+        rp = R.rank_program(doc, mesh, rank, program, weights, torch.device("cpu"), True)
+        return ckpt.load(rp.local, None, ck)["step"]
+
+    assert run_simulated(mesh, fn) == [0] * mesh.size
 
 
 def test_tied_embeddings_are_written_once_as_save_pretrained_writes_them(tmp_path):

@@ -432,16 +432,18 @@ def load(local, optimizer, path, *, strict: bool = True) -> dict:
     """Read this rank's pieces of ``local``'s parameters and buffers and of ``optimizer``'s state
     (created as needed) from the checkpoint at ``path``, whatever plan wrote it; returns the
     manifest (``step``, ``extra``, ...). Call inside the rank context (no communication).
-    ``strict``: every parameter, buffer and optimizer state must be in the checkpoint (with
+    ``path`` may be a run's ``--ckpt`` directory: its newest complete checkpoint, as
+    ``--resume`` chooses (:func:`resolve`). ``strict``: every parameter, buffer and optimizer state must be in the checkpoint (with
     ``strict=False`` missing buffers keep their values). Raises CheckpointError naming the
     first missing or mis-shaped tensor, before anything is read.
 
     Example::
 
         info = load(local, opt, "ckpt/step-10")     # info["step"] == 10
+        info = load(local, opt, "ckpt")             # the newest complete step-* of a --ckpt directory
     """
     ctx = current("load_checkpoint")
-    path = Path(path)
+    path = resolve(path)
     manifest = read_manifest(path)
     reader = FileSystemReader(path)
     try:
@@ -511,8 +513,9 @@ def load(local, optimizer, path, *, strict: bool = True) -> dict:
 
 def load_global(path, prefix: str = "") -> dict:
     """{key: whole tensor} of every saved tensor whose key starts with ``prefix`` (one process;
-    no rank context needed). Reads everything: for models that fit in this process's memory."""
-    path = Path(path)
+    no rank context needed). Reads everything: for models that fit in this process's memory.
+    ``path`` may be a ``--ckpt`` directory (its newest complete checkpoint)."""
+    path = resolve(path)
     read_manifest(path)
     reader = FileSystemReader(path)
     metadata = reader.read_metadata()
@@ -622,8 +625,9 @@ def resolve(path, skipped: list | None = None) -> Path:
         newest = resolve("ck", skipped)     # ck/step-000004, skipped [("step-000006", "... incomplete ...")]
     """
     path = Path(path)
-    if (path / MANIFEST).is_file() or partial_dir(path).is_dir() or not path.is_dir():
-        return path
+    if (path / MANIFEST).is_file() or partial_dir(path).is_dir() or not path.is_dir() \
+            or (path / METADATA).is_file() or any(path.glob("*.distcp")):
+        return path  # a checkpoint (complete or not: read_manifest says which), not a --ckpt directory
     steps = sorted((p for p in path.glob("step-*") if p.is_dir()), key=lambda p: p.name)
     partial = sorted(path.glob(".step-*.partial"))
     passed = []
