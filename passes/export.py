@@ -425,7 +425,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "aliases": dict(plan.captured.aliases),
         "state_dict_keys": list(plan.model.state_dict().keys()),  # checkpoints: consolidate's keys
         "reshard_tags": sorted(plan.program.reshard_tags),
-        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if getattr(plan, "reduce_dtype", None) else None,
+        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if plan.reduce_dtype is not None else None,
         "grad_buckets": _grad_buckets(plan),
         "weights": {"file": weights_file, "checkpoint": checkpoint, "buffers": buffers_file},
         "example_inputs": INPUTS if has_inputs else None,
@@ -579,6 +579,7 @@ def _meta_model_buffers(plan, inputs_meta, given: Optional[dict]) -> dict:
 
 
 def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: Optional[bool] = None,
+                check_budget: int = REFERENCE_LIMIT_BYTES,
                 reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False,
                 buffers: Optional[dict] = None, weights_prefix: Optional[str] = None) -> Path:
     """Write ``plan`` to the directory ``path`` (see the module docstring); returns its path.
@@ -601,7 +602,8 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
       cannot be recomputed (their owner keeps no constructor arguments); shape and dtype checked.
     - ``reference``: save the unsharded model's outputs, gradients and ``reference_steps``
       AdamW(lr) losses for ``run.py --check``; default: when inputs are given and the model is
-      real and under 2 GiB.
+      real and its state within ``check_budget`` bytes (default 2 GiB). Beyond it, ``Plan.export``
+      checks the plan one distinct block at a time instead (``autoshard/block_check.py``).
     - ``overwrite``: replace an existing directory; otherwise a non-empty ``path`` is an error.
     """
     path = Path(path)
@@ -625,11 +627,12 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
     elif weights_prefix:
         raise ExportError("weights_prefix applies to weights=SRC (the checkpoint whose keys it prefixes)")
     if reference is None:
-        reference = has_inputs and not meta_model and _state_bytes(plan) <= REFERENCE_LIMIT_BYTES
+        reference = has_inputs and not meta_model and _state_bytes(plan) <= check_budget
     why_no_reference = None if reference else (
         "the model is on the meta device: references need a model with real weights" if meta_model else
         why_no_inputs if not has_inputs else
-        "the model is over 2 GiB (references skipped)" if _state_bytes(plan) > REFERENCE_LIMIT_BYTES else
+        f"the model's state is over the check budget of {check_budget / 2 ** 30:.3g} GiB (references skipped)"
+        if _state_bytes(plan) > check_budget else
         "the export was made with reference=False")
     if reference and (not has_inputs or meta_model):
         raise ExportError("references need example inputs and a model with real weights")

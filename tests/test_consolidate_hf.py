@@ -21,19 +21,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import autoshard  # noqa: E402
-from autoshard import cli  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.runtime.execution import checkpoint as ckpt  # noqa: E402
-from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
+import autoshard
+from autoshard import cli
+from autoshard.runtime import export as R
+from autoshard.runtime.execution import checkpoint as ckpt
+from autoshard.runtime.transport.simulated import run_simulated
 
-import hf_zoo  # noqa: E402
-from meta_llama import (LAYOUT, MESH, Wrapped, autoshard_save, dcp_save, hf_llama, plan_of,  # noqa: E402
+from tests.helpers import hf_zoo
+from tests.helpers.hf_llama import (LAYOUT, MESH, Wrapped, autoshard_save, dcp_save, hf_llama, plan_of,
                         torchrun_losses, wrapped_dims)
-from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoConfig, LlamaForCausalLM
 
 SHARD_SIZE = "20KB"  # the tiny Llama's largest tensors are 8 KiB: several shards
 

@@ -181,17 +181,14 @@ def test_zigzag_permute_chunks():
 
 # --- plans: layout={"seq": "cp"} on the Llama-style example ------------------------------------
 
-import sys  # noqa: E402
-import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
+import warnings
 
-import torch.nn as nn  # noqa: E402
+import torch.nn as nn
 
-import autoshard  # noqa: E402
+import autoshard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from exactness import assert_exact, assert_trains_like_single_device  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+from tests.helpers.exactness import assert_exact, assert_trains_like_single_device
+from examples.models import llama_tiny
 
 LLAMA_TP = {"heads": "tp", "kv_heads": "tp", "ffn": "tp"}
 

@@ -1,7 +1,5 @@
 """Core acceptance: capture -> named dims -> SPMD rewrite, exact on the simulated mesh."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +10,8 @@ import autoshard
 from autoshard import LayoutError, Mesh, UnsupportedOpWarning
 from autoshard.ownership import local_piece
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact, block_of  # noqa: E402
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from tests.helpers.exactness import assert_exact, block_of
+from examples.models import gpt2_tiny, llama_tiny
 
 TP = {"heads": "tp", "ffn": "tp"}
 DP_TP = {"batch": "dp", "heads": "tp", "ffn": "tp"}

@@ -11,24 +11,18 @@ Exactness is bit for bit: the same program on the same bits must give the same b
 from __future__ import annotations
 
 import math
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.passes.export import simulate_export
+from autoshard.runtime.transport.simulated import run_simulated
 
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import simulate_export  # noqa: E402
-from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
-
-from meta_llama import autoshard_save, dcp_save, hf_llama, plan_of, torchrun_losses  # noqa: E402
+from tests.helpers.hf_llama import autoshard_save, dcp_save, hf_llama, plan_of, torchrun_losses
 
 
 @pytest.fixture(scope="module")

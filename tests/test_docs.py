@@ -1,7 +1,8 @@
 """The docs describe the project as it is: README.md within 350 lines, every relative link
 (and ``#anchor``) in README.md, docs/*.md and benchmarks/README.md pointing at a file (and a
-heading) that exists, no commit hashes in them, and no absolute path of the machine the project
-was written on in any tracked file."""
+heading) that exists, every capability of README's feature table linked to its page, no commit
+hashes in them, and no absolute path of the machine the project was written on (its workspace,
+home and root directories, a run's temporary directory) in any tracked file."""
 from __future__ import annotations
 
 import re
@@ -19,9 +20,11 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 HEX = re.compile(r"(?<![0-9A-Za-z_])[0-9a-fA-F]{7,40}(?![0-9A-Za-z_])")
-# The workspace, home and root directories of a Unix machine, spelled so that this file
+# The workspace, home and root directories of a machine, and a run's temporary directory, as the
+# start of an absolute path (not the tail of a relative one or a URL); spelled so that this file
 # does not match itself.
-MACHINE_PATH = re.compile("/(?:" + "|".join(["wo" + "rk", "ho" + "me", "ro" + "ot"]) + ")/")
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:(?:" + "|".join(["wo" + "rk", "ho" + "me", "ro" + "ot", "Us" + "ers"])
+                          + r")(?![\w.-])|" + "t" + "mp/)")
 
 
 def git(*args, **kw):
@@ -115,6 +118,16 @@ def test_no_commit_hashes(doc):
     out = git("cat-file", "--batch-check", input="".join(f"{t}^{{commit}}\n" for t in sorted(tokens))).stdout
     commits = [t for t, line in zip(sorted(tokens), out.splitlines()) if " commit " in line]
     assert not commits, f"{doc.relative_to(ROOT)}: tokens that name commits: {commits}"
+
+
+def test_machine_path_pattern():
+    """The pattern finds absolute paths of a machine, not relative paths, URLs or words."""
+    tmp, work, root = "/t" + "mp/", "/wo" + "rk", "/ro" + "ot"
+    for found in [f"cd {work}/main", f"out={tmp}pytest-of-x/y", f"`{root}/.cache`", f"({root})", f"HOME={work}"]:
+        assert MACHINE_PATH.search(found), found
+    for fine in ["tests/helpers/" + "t" + "mp/x", "https://example.com" + work, "tmp_path / 'out'", "<root>",
+                 work + "space" + "/x", "~" + work]:
+        assert not MACHINE_PATH.search(fine), fine
 
 
 def test_no_machine_paths_in_tracked_files():

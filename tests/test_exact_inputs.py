@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import Mesh
-from exactness import assert_exact
+from tests.helpers.exactness import assert_exact
 
 
 # ----------------------------------------------------------------- 1. probability targets

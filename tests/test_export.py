@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import ExportError, simulate_export, torchrun_command  # noqa: E402
-from autoshard.runtime.primitives.collectives import ADJOINTS  # noqa: E402
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.passes.export import ExportError, simulate_export
+from autoshard.runtime.primitives.collectives import ADJOINTS
+from examples.models import gpt2_tiny, llama_tiny
+from tests.helpers.torchrun import torchrun
 
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, with_labels=True)
 TP4 = dict(mesh={"tp": 4}, layout={"heads": "tp", "ffn": "tp"}, with_labels=False)
-TORCHRUN_TIMEOUT = 120  # a hang is a failure
 
 
 def make_plan(config, **options):
@@ -262,13 +260,6 @@ def test_synthetic_inputs_follow_the_planned_shapes(exports, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # under torchrun: 4 gloo processes
 # ------------------------------------------------------------------------------------------------
-
-def torchrun(path, nproc, *run_args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    start = time.monotonic()
-    proc = subprocess.run(torchrun_command(path, nproc, *run_args), env=env, capture_output=True, text=True,
-                          timeout=TORCHRUN_TIMEOUT)
-    return proc, time.monotonic() - start
 
 
 @pytest.mark.slow

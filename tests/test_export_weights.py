@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.passes.export import simulate_export
 
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import simulate_export  # noqa: E402
-
-from meta_llama import DIMS, hf_llama, plan_of  # noqa: E402
+from tests.helpers.hf_llama import DIMS, hf_llama, plan_of
 
 
 def zero3_dp4(model, kwargs):

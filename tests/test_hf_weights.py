@@ -18,21 +18,19 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import safetensors  # noqa: E402
-import safetensors.torch  # noqa: E402
+import safetensors
+import safetensors.torch
 
-import autoshard  # noqa: E402
-import autoshard.passes.export  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import simulate_export, simulate_run  # noqa: E402
-from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
+import autoshard
+import autoshard.passes.export
+from autoshard.runtime import export as R
+from autoshard.passes.export import simulate_export, simulate_run
+from autoshard.runtime.transport.simulated import run_simulated
 
-import hf_zoo  # noqa: E402
-from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
-from meta_llama import DIMS, LAYOUT, MESH, Wrapped, hf_llama, plan_of, torchrun_losses, wrapped_dims  # noqa: E402
+from tests.helpers import hf_zoo
+from transformers import AutoConfig, LlamaForCausalLM
+from tests.helpers.hf_llama import DIMS, LAYOUT, MESH, Wrapped, hf_llama, plan_of, torchrun_losses, wrapped_dims
 
 # the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
 SHARD_SIZE = "20KB"

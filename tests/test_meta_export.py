@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers
+from autoshard.passes.export import ExportError, simulate_export, simulate_run
 
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers  # noqa: E402
-from autoshard.passes.export import ExportError, simulate_export, simulate_run  # noqa: E402
-
-import hf_zoo  # noqa: E402
-from meta_llama import hf_llama, plan_of, torchrun_losses  # noqa: E402
+from tests.helpers import hf_zoo
+from tests.helpers.hf_llama import hf_llama, plan_of, torchrun_losses
 
 
 @pytest.fixture(scope="module")

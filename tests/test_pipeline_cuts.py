@@ -8,8 +8,6 @@ cost model's op times) with the planner."""
 import itertools
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ from autoshard.cost.pipeline import choose_cuts, unit_seconds
 from autoshard.passes.pipeline import cut_profile
 from autoshard.pipeline_plan import best_cuts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from examples.models import gpt2_tiny, llama_tiny
 
 
 def brute_force(units, nbytes, allowed, stages):

@@ -2,7 +2,6 @@
 action lists) reproduces the seeds' bubble figures, and the measured trace of a step records
 every action of every rank in dependency order."""
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,8 +13,7 @@ from autoshard import Mesh
 from autoshard.cost.pipeline import bubble, schedule_timeline
 from autoshard.runtime.execution.schedules import dependencies, make_schedule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
+from tests.helpers.pipeline import masked_batch, pipeline_plan
 
 
 class Block(torch.nn.Module):

@@ -103,9 +103,6 @@ def test_held_bytes_equal_state_bytes_with_masters(stage):
 
 
 def test_export_runs_in_bf16_and_checks_at_bf16_precision(tmp_path):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.models import llama_tiny
     from autoshard.passes.export import simulate_export
     model, args, dims = llama_tiny(with_labels=True)

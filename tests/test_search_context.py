@@ -11,7 +11,7 @@ from autoshard import Mesh
 from autoshard.runtime.primitives.ring_attention import allgather_attention, ring_attention
 
 from examples.models import llama_8b_meta, llama_tiny
-from exactness import assert_exact
+from tests.helpers.exactness import assert_exact
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 

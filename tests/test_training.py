@@ -1,8 +1,6 @@
 """Training plans: data parallelism, ZeRO-1/2/3, sharded optimizers, loss normalization and
 gradient accumulation, each checked against single-device training."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,8 @@ from autoshard.cost import collective_bytes, model_state_bytes
 from autoshard.ownership import local_piece
 from autoshard.runtime import run_simulated
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import SPREAD_FACTOR, assert_training_within_spread, reference_train  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.exactness import SPREAD_FACTOR, assert_training_within_spread, reference_train
 
 LEVELS = [(0, None), (1, None), (2, None), (3, True), (3, False)]
 LEVEL_IDS = ["ddp", "zero1", "zero2", "zero3-reshard", "zero3-keep"]
@@ -84,7 +81,7 @@ def test_adamw_training_matches_single_device(mesh, layout, stage, reshard):
     # Adam divides by sqrt(v) + eps: an element whose gradient is a few eps turns a rounding-level
     # difference of the gradient (another summation order: ranks, or another CPU's BLAS kernel)
     # into a visible one of the update. The bound is the float32 spread of single-device training
-    # itself (float32 against float64, per parameter tensor; tests/exactness.py says how).
+    # itself (float32 against float64, per parameter tensor; tests/helpers/exactness.py says how).
     assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 
 
@@ -108,7 +105,7 @@ def test_the_spread_bound_accepts_float32_rounding_and_refuses_a_lost_gradient_s
 @pytest.mark.parametrize("stage,reshard", LEVELS, ids=LEVEL_IDS)
 def test_sgd_momentum_training_is_exact(stage, reshard):
     """SGD is linear in the gradient: the parameters carry the gradients' rounding unamplified,
-    within the float32 spread of single-device training (tests/exactness.py)."""
+    within the float32 spread of single-device training (tests/helpers/exactness.py)."""
     model, args, dims = llama_tiny(with_labels=True)
     mesh, layout = MESHES[1]
     plan = plan_for(model, args, dims, mesh, layout, stage, reshard)
@@ -289,7 +286,7 @@ def test_gradient_buckets_fill_in_backward_order_and_overlap_backward():
     assert "lm_head.weight" in first and "embed_tokens.weight" in last
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     losses, params = plan.simulate_train([args], optimizer=make_opt)
-    assert_training_within_spread(losses, params, model, [args], make_opt)  # float32 spread (tests/exactness.py)
+    assert_training_within_spread(losses, params, model, [args], make_opt)  # float32 spread (tests/helpers/exactness.py)
     tags = [tag for tag, _ in plan.program.buckets]
     for trace in plan.last_trace:
         order = [r.tag for r in trace if r.op == "grad_bucket"]

@@ -11,6 +11,8 @@ Example::
 """
 from __future__ import annotations
 
+import argparse
+import gc
 import math
 import os
 import sys
@@ -25,6 +27,7 @@ from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
 from autoshard.runtime.transport.watchdog import Heartbeat
 
+from .block_check import block_args, group_report
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
 from .inputs import load_inputs
@@ -41,6 +44,15 @@ def _say(msg: str) -> None:
 def prepare(root: Path, args) -> dict:
     """Everything that can fail without talking to other ranks; raises RunError."""
     doc = read_plan(root)
+    if args.check and not doc.get("reference") and doc.get("block_check"):
+        # over the check budget: the checked model (one block of each kind) is checked instead
+        sub_root = root / doc["block_check"]["dir"]
+        sub_doc = read_plan(sub_root)
+        sub_args = block_args(args, (sub_doc.get("reference") or {}).get("steps", 0))
+        sub = prepare(sub_root, sub_args)
+        ctx = prepare(root, argparse.Namespace(**{**vars(args), "check": False}))
+        ctx["blocks"] = (sub_root, sub_args, sub)
+        return ctx
     mesh = Mesh(doc["mesh"])
     world = _env_int("WORLD_SIZE", 1)
     if world != mesh.size:
@@ -66,10 +78,11 @@ def prepare(root: Path, args) -> dict:
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
     if args.check and not doc.get("reference"):  # before the weights: a meta export has neither
-        why = (doc.get("missing") or {}).get("reference")
+        missing = doc.get("missing") or {}
+        why = "; ".join(w for w in (missing.get("reference"), missing.get("block_check")) if w)
         raise RunError("this export has no references to check against" + (f": {why}" if why else "")
                        + " (hint: export a model with real weights and example inputs, reference=True; "
-                       "models over 2 GiB skip them)")
+                       "over the check budget, a model whose blocks repeat is checked one block of each kind)")
     weights = open_weights(root, doc, args.weights, args.allow_partial, args.weights_prefix)
     loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
     user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
@@ -118,7 +131,19 @@ def run(root: Path, args) -> int:
     store = dist.distributed_c10d._get_default_store()
     beat = Heartbeat(store, rank)
     try:
-        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
+        rc = 0
+        if ctx.get("blocks"):
+            sub_root, sub_args, sub = ctx["blocks"]
+            reported = []
+            rc = _run_ranks(sub_root, sub_args, sub, sub["doc"], mesh, rank, device, use_cuda, on_result=reported.append)
+            ok, lines = group_report(doc["block_check"], sub["doc"], mesh, rank, reported[0], sub["ref"], sub_args,
+                                     device)
+            for line in lines if rank == 0 else ():
+                print(line, flush=True)
+            rc = rc or (0 if ok else 1)
+            del sub, reported, ctx["blocks"]  # its references and weights: the whole model runs next
+            gc.collect()
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) or rc
     except RunError as e:  # found by every rank at the same point (a bad token in --data)
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
@@ -148,7 +173,7 @@ def run(root: Path, args) -> int:
     return rc
 
 
-def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=None) -> int:
     say = _say if rank == 0 else (lambda msg: None)
     backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
     train = args.steps > 0
@@ -176,6 +201,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
+    if on_result is not None:
+        on_result(res)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)

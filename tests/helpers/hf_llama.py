@@ -1,7 +1,7 @@
-"""The tiny HF Llama the weights tests plan (with real weights and on the meta device), its
-dp=2 x tp=2 plan, the checkpoints they write of it (torch's own DCP save, autoshard's save by
-an export's ranks) and the torchrun runner they share: an export's per-step losses from
-``run.py --metrics`` under 4 gloo processes."""
+"""A tiny Hugging Face Llama (seeded weights, or on the meta device) and its dp=2 x tp=2 training plan,
+shared by the tests of exports with and without weights; the checkpoints they write of it
+(torch's own DCP save, autoshard's save by an export's ranks) and the torchrun runner they share:
+an export's per-step losses from ``run.py --metrics`` under 4 gloo processes."""
 from __future__ import annotations
 
 import json
@@ -11,15 +11,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from transformers import AutoConfig, LlamaForCausalLM
 
 import autoshard
-from autoshard.runtime import export as R
 from autoshard.passes.export import run_torchrun
+from autoshard.runtime import export as R
 from autoshard.runtime.execution import checkpoint as ckpt
 from autoshard.runtime.transport.simulated import run_simulated
-
-import hf_zoo
-from transformers import AutoConfig, LlamaForCausalLM
+from tests.helpers import hf_zoo
 
 MESH = {"dp": 2, "tp": 2}
 LAYOUT = {"batch": "dp", "heads": "tp", "kv_heads": "tp", "ffn": "tp"}
@@ -47,6 +46,8 @@ def hf_llama(device=None, dtype=None, **config):
 
 
 def plan_of(model, kwargs, **options):
+    """The dp=2 x tp=2 training plan of :func:`hf_llama`'s model (Megatron layout); ``options``
+    go to ``autoshard.autoshard`` (``zero_stage=3``)."""
     return autoshard.autoshard(model, (), kwargs=kwargs, mesh=autoshard.Mesh(MESH), dims=DIMS, layout=LAYOUT,
                                train=True, **options)
 
