@@ -403,6 +403,18 @@ def _launch(cmd, timeout) -> int:
     return rc
 
 
+def cmd_consolidate(ns) -> int:
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
+    from autoshard.runtime.execution.hf_consolidate import write_hf
+
+    out = write_hf(ns.ckpt, ns.out, format=ns.format, like=ns.like, max_shard_size=ns.max_shard_size,
+                   weights_prefix=ns.weights_prefix, overwrite=ns.force)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote {out}/ ({len(files)} files: {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}); "
+          f"load it with from_pretrained({str(out)!r})")
+    return 0
+
+
 def cmd_calibrate(ns) -> int:
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.cost import calibrate
@@ -451,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def exporting(sp):
         sp.add_argument("--weights", help="checkpoint run.py slices instead of the model's weights: a state dict "
-                                          "by parameter name, a .safetensors file or a save_pretrained directory")
+                                          "by parameter name, a .safetensors file, a save_pretrained directory or a "
+                                          "DCP checkpoint")
         sp.add_argument("--weights-prefix", metavar="PREFIX",
                         help="with --weights: the FQN under which the checkpoint's keys live in the model")
         sp.add_argument("--no-reference", action="store_true", help="do not save references for --check")
@@ -477,6 +490,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=float, default=900.0, help="seconds before torchrun is stopped")
     sp.add_argument("run_args", nargs="*", metavar="-- RUN.PY ARGS", help="more arguments for run.py after --")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("consolidate", help="write a checkpoint as a Hugging Face save_pretrained directory")
+    sp.add_argument("ckpt", metavar="CKPT", help="an autoshard checkpoint, a --ckpt directory (its newest complete "
+                                                 "one) or a torch.distributed.checkpoint directory")
+    sp.add_argument("out", metavar="OUT", help="directory to create")
+    sp.add_argument("--format", default="safetensors", choices=("safetensors",), help="file format (safetensors)")
+    sp.add_argument("--like", metavar="HF_DIR", help="copy config.json, generation config and tokenizer files from it")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest shard, as save_pretrained's (default 5GB)")
+    sp.add_argument("--weights-prefix", metavar="PREFIX", help="remove this FQN prefix from the keys (a training "
+                                                               "wrapper's attribute holding the HF model)")
+    sp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    sp.set_defaults(func=cmd_consolidate)
 
     sp = sub.add_parser("calibrate", help="measure this machine's compute and links for the cost model")
     sp.add_argument("mesh", nargs="?", default="x=2", help="mesh axes to measure, e.g. dp=2,tp=2 (default x=2)")

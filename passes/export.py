@@ -8,9 +8,12 @@
       plan.json      mesh, layout, every input's owner per mesh axis, collectives, cost
       run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K];
                      it calls the installed runner, autoshard.runtime.export
-      weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap)
-      buffers.pt     instead of weights.pt for a model on the meta device: its non-persistent
-                     buffers, recomputed on the CPU (parameters come from run.py --weights)
+      weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap),
+                     written once; not written with weights=SRC (plan.json points at SRC,
+                     relative to the export), so several layouts can share one source
+      buffers.pt     instead of weights.pt for a model on the meta device, or with weights=SRC:
+                     the tensors no checkpoint has (non-persistent buffers; a meta model's
+                     recomputed on the CPU); parameters come from SRC or run.py --weights
       inputs.pt      the example inputs (when given)
       normalizer.py  a masked-mean loss's count of valid tokens, for run.py --grad-accum K
                      (passes/loss_count.py; absent for other losses)
@@ -493,8 +496,8 @@ KEYS_HINT = "keys must be the model's parameter names"
 def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -> tuple:
     """(names the program needs that the checkpoint lacks (aliases of tied weights accepted):
     its parameters, and ``needed`` (a meta model's persistent buffers); the hint for a prefix
-    that would fix them, or ''). The checkpoint is read as run.py reads it (a safetensors
-    source: its headers only)."""
+    that would fix them, or ''; the names of the program's tensors the checkpoint has). The
+    checkpoint is read as run.py reads it (a safetensors or DCP source: its headers only)."""
     try:
         state = runner.read_checkpoint(path, prefix)
     except runner.RunError as e:
@@ -514,7 +517,20 @@ def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -
                                   f"has {m['shape']}")
     known = {n for m in inputs_meta for n in [m["target"]] + reverse.get(m["target"], [])}
     fix = runner._common_prefix_fix([k for k in state if k not in known], missing, "give weights_prefix={!r}")
-    return missing, fix
+    has = {m["target"] for m in inputs_meta if any(n in state for n in [m["target"]] + reverse.get(m["target"], []))}
+    return missing, fix, has
+
+
+def recorded_source(checkpoint: Path, path: Path) -> str:
+    """``weights=SRC`` as plan.json records it: relative to the export directory (run.py
+    resolves it against its own directory), so that no absolute path of the exporting machine
+    is written and the export moves with its weights; ``run.py --weights`` overrides it.
+
+    Example::
+
+        recorded_source(Path("/data/llama-hf"), Path("/data/exports/tp4"))   # "../../llama-hf"
+    """
+    return os.path.relpath(checkpoint, Path(path).resolve())
 
 
 WHY_NO_WEIGHTS = ("the model was planned on the meta device: its parameters must come from run.py --weights SRC "
@@ -576,8 +592,10 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
       them run.py needs ``--synthetic`` (random inputs of the planned shapes) or ``--inputs``.
     - ``weights``: None exports the model's parameters and buffers to ``weights.pt``; a path
       names a checkpoint (a state dict by parameter FQN, loadable with ``weights_only=True``,
-      a ``.safetensors`` file or a Hugging Face ``save_pretrained`` directory) that run.py
-      slices instead (buffers it lacks are still exported). A model on the meta
+      a ``.safetensors`` file, a Hugging Face ``save_pretrained`` directory, a DCP checkpoint
+      or ``--ckpt`` directory, or another export's directory: its ``weights.pt``) that run.py
+      slices instead: no weights are written (buffers it lacks go to ``buffers.pt``), and
+      plan.json records SRC relative to the export. A model on the meta
       device writes no weights: its non-persistent buffers are recomputed on the CPU
       (:mod:`autoshard.passes.buffers`) into ``buffers.pt``, and parameters and persistent
       buffers come from ``weights`` or ``run.py --weights SRC``.
@@ -605,7 +623,7 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         flat_user, has_inputs, args, kwargs = None, False, None, None  # shapes only; nothing to save
         why_no_inputs = ("the plan's example inputs are on the meta device (shapes only); pass real ones: "
                          "plan.export(path, args)")
-    checkpoint = None
+    checkpoint, has = None, set()
     if weights is not None:
         checkpoint = Path(weights).resolve()
         if not checkpoint.exists():
@@ -631,7 +649,7 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
                           "has its own")
     if checkpoint is not None:
         needed = {m["target"] for m in inputs_meta if m["kind"] == "buffer"} - set(exported) if meta_model else set()
-        missing, fix = _check_checkpoint(checkpoint, plan, inputs_meta, needed, weights_prefix)
+        missing, fix, has = _check_checkpoint(checkpoint, plan, inputs_meta, needed, weights_prefix)
         if missing:
             raise ExportError(f"checkpoint {checkpoint} has no tensor for {len(missing)} parameter(s), e.g. "
                               f"{missing[:3]} (hint: {fix or KEYS_HINT})")
@@ -654,19 +672,23 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         for name, src in sources.items():
             (tmp / name).write_text(src)
         (tmp / RUNNER).write_text(run_py_source())  # a launcher: the runner is the installed core
+        own = None  # with weights=SRC, the export holds itself: what SRC lacks
         if meta_model:
+            own = exported
             torch.save(exported, tmp / BUFFERS)
         else:
             state = {}
             for m in inputs_meta:
-                if m["kind"] == "user" or m.get("role") == "full":
-                    continue
-                if checkpoint is not None and m["kind"] == "parameter":
+                if m["kind"] == "user" or m.get("role") == "full" or m["target"] in has:
                     continue
                 t = plan.captured.state[m["target"]]
                 if isinstance(t, torch.Tensor):
                     state[m["target"]] = t.detach().contiguous()
-            torch.save(state, tmp / WEIGHTS)
+            if checkpoint is None:
+                torch.save(state, tmp / WEIGHTS)
+            elif state:  # the non-persistent buffers, in no checkpoint
+                own = state
+                torch.save(state, tmp / BUFFERS)
         if has_inputs:
             torch.save({"inputs": [t.detach() if isinstance(t, torch.Tensor) else t for t in flat_user]},
                        tmp / INPUTS)
@@ -676,9 +698,9 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
             torch.save(ref, tmp / REFERENCE)
             ref_meta = {"file": REFERENCE, "grads": bool(ref["grads"]), "optimizer": "adamw", "lr": lr,
                         "steps": len(ref["losses"])}
-        doc = plan_json(plan, inputs_meta, weights_file=None if meta_model else WEIGHTS,
-                        checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
-                        reference=ref_meta, buffers_file=BUFFERS if meta_model else None)
+        doc = plan_json(plan, inputs_meta, weights_file=None if meta_model or checkpoint else WEIGHTS,
+                        checkpoint=recorded_source(checkpoint, path) if checkpoint else None,
+                        has_inputs=has_inputs, reference=ref_meta, buffers_file=BUFFERS if meta_model or own else None)
         if weights_prefix:
             doc["weights"]["prefix"] = weights_prefix
         doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference,

@@ -20,10 +20,10 @@ from torch import nn
 import autoshard
 from autoshard.runtime import export as R
 from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers
-from autoshard.passes.export import ExportError, run_torchrun, simulate_export, simulate_run
+from autoshard.passes.export import ExportError, simulate_export, simulate_run
 
 from tests.helpers import hf_zoo
-from tests.helpers.hf_llama import hf_llama, plan_of
+from tests.helpers.hf_llama import hf_llama, plan_of, torchrun_losses
 
 
 @pytest.fixture(scope="module")
@@ -240,12 +240,6 @@ def test_example_llama_8b_meta_exports_and_trains_like_the_real_model(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_meta_export_from_weights_equals_the_real_export(exports, tmp_path):
-    losses = {}
-    for name, extra in (("real", []), ("meta", ["--weights", str(exports["ckpt"])])):
-        metrics = tmp_path / f"{name}.jsonl"
-        proc = run_torchrun(exports[name], 4, "--steps", "3", "--metrics", str(metrics), *extra, timeout=180,
-                            capture=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert len(losses["real"]) == 3
-    assert losses["meta"] == losses["real"]
+    want = torchrun_losses(exports["real"], tmp_path / "real.jsonl", "--steps", "3")
+    got = torchrun_losses(exports["meta"], tmp_path / "meta.jsonl", "--steps", "3", "--weights", str(exports["ckpt"]))
+    assert len(want) == 3 and got == want
