@@ -12,6 +12,8 @@
       buffers.pt     instead of weights.pt for a model on the meta device: its non-persistent
                      buffers, recomputed on the CPU (parameters come from run.py --weights)
       inputs.pt      the example inputs (when given)
+      normalizer.py  a masked-mean loss's count of valid tokens, for run.py --grad-accum K
+                     (passes/loss_count.py; absent for other losses)
       reference.pt   outputs, gradients and training losses of the unsharded model (when given)
 
 The directory appears only when everything is written (it is assembled next to ``path`` and
@@ -57,6 +59,8 @@ from autoshard.runtime.primitives.overlap_linear import varying_linears
 from autoshard.runtime import export as runner  # the export runner, which run.py calls
 from autoshard.runtime.export import FORMAT, VERSION
 from autoshard.runtime.export.launcher import run_py_source
+
+from . import loss_count as LC
 
 from .buffers import RecomputeError, non_persistent_buffers, recompute_buffers
 from .dims import module_of, source_line
@@ -638,6 +642,9 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         inputs_meta = XP.step_inputs(plan, inputs_meta)
     else:
         sources = {PROGRAM: generate_program(plan, inputs_meta)}
+        acc = LC.loss_accumulation(plan.program, plan.captured.inputs, plan.loss_index())  # run.py --grad-accum
+        if acc.normalizer is not None:
+            sources[LC.NORMALIZER] = generate_module(acc.normalizer, plan.mesh, inputs_meta, LC.NORMALIZER_HEADER)
     for name, src in sources.items():
         compile(src, str(path / name), "exec")  # a codegen bug fails here, not under torchrun
 
@@ -678,6 +685,8 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
                           "weights": WHY_NO_WEIGHTS if meta_model else None}
         if pipelined:
             doc.update(program=None, pipeline=XP.pipeline_json(plan))
+        else:
+            doc["accumulation"] = LC.accumulation_json(acc)
         (tmp / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -765,8 +774,7 @@ def simulate_run(path, *argv: str) -> list:
     loop = R.prepare_training(path, doc, args)
     if not loop:
         raise ExportError("simulate_run runs the training loop: give --steps N and a loop option (--data, --ckpt, ...)")
-    user = None if loop.get("data") else R.load_inputs(path, doc, synthetic=args.synthetic, path=args.inputs,
-                                                        seed=args.seed)
+    user = None if loop.get("data") else R.load_step_inputs(path, doc, args)
     weights = R.open_weights(path, doc, args.weights, args.allow_partial, args.weights_prefix)
     lines: list = []
 

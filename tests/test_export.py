@@ -129,8 +129,10 @@ def test_plan_json_describes_mesh_owners_collectives(exports):
     assert {"kind", "axes", "bytes", "phase", "where", "why", "tag"} <= set(doc["collectives"][0])
     assert doc["cost"]  # whatever the cost model reports, serialized
     assert doc["reference"]["grads"] and doc["reference"]["steps"] == 2
-    assert sorted(p.name for p in path.iterdir()) == ["inputs.pt", "plan.json", "program.py", "reference.pt",
-                                                     "run.py", "weights.pt"]
+    # normalizer.py: the mean cross-entropy's count of valid labels (run.py --grad-accum)
+    assert doc["accumulation"]["reduction"] == "count"
+    assert sorted(p.name for p in path.iterdir()) == ["inputs.pt", "normalizer.py", "plan.json", "program.py",
+                                                     "reference.pt", "run.py", "weights.pt"]
 
 
 # ------------------------------------------------------------------------------------------------

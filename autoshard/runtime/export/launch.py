@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.execution import shared_paths
 from autoshard.runtime.transport.watchdog import Heartbeat
 
 from .block_check import block_args, group_report
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
-from .inputs import load_inputs
+from .accumulation import load_step_inputs
 from .plan_file import _pipeline, _this, load_programs, loss_shape, read_plan
 from .program import rank_loop, rank_program
 from .training import Stopped, prepare_training, train_loop
@@ -85,8 +86,7 @@ def prepare(root: Path, args) -> dict:
                        "over the check budget, a model whose blocks repeat is checked one block of each kind)")
     weights = open_weights(root, doc, args.weights, args.allow_partial, args.weights_prefix)
     loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
-    user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
-                                                      seed=args.seed)
+    user = None if loop.get("data") else load_step_inputs(root, doc, args)
     ref = None
     if args.check:
         if args.synthetic or args.inputs:
@@ -123,6 +123,8 @@ def run(root: Path, args) -> int:
     else:
         device = torch.device("cpu")
     ctx["program"].DEVICE = device
+    if (ctx["loop"].get("accum") or {}).get("module") is not None:
+        ctx["loop"]["accum"]["module"].DEVICE = device
     if "WORLD_SIZE" not in os.environ:  # `python run.py` on a one-rank mesh: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
@@ -131,6 +133,7 @@ def run(root: Path, args) -> int:
     store = dist.distributed_c10d._get_default_store()
     beat = Heartbeat(store, rank)
     try:
+        check_shared_paths(args, ctx["loop"], rank)
         rc = 0
         if ctx.get("blocks"):
             sub_root, sub_args, sub = ctx["blocks"]
@@ -171,6 +174,18 @@ def run(root: Path, args) -> int:
     if ctx["loop"].get("lock"):
         ctx["loop"]["lock"].release()
     return rc
+
+
+def check_shared_paths(args, loop: dict, rank: int) -> None:
+    """RunError on every rank unless every rank sees rank 0's ``--ckpt`` directory, ``--data``
+    file and ``--resume`` checkpoint (a job on several nodes needs them on a shared file system:
+    :mod:`autoshard.runtime.execution.shared_paths`); collectives, after the process group starts."""
+    if dist.get_world_size() == 1 or not (args.ckpt or loop.get("data") or loop.get("resume")):
+        return
+    problems = shared_paths.check_shared_paths(rank, ckpt=args.ckpt, data=args.data if loop.get("data") else None,
+                                               resume=loop.get("resume"))
+    if problems:
+        raise RunError("; ".join(problems))
 
 
 def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=None) -> int:
