@@ -17,8 +17,8 @@ send / recv     the message                                V                    
 ==============  =========================================  =====================  ============
 
 All-to-all convention: each rank splits its V-byte buffer into R chunks, keeps one and sends
-R-1 directly to their owners, as on a switched fabric (NVSwitch, a fat tree). Seed 000 warns
-that conventions differ: the Scaling Book's "about a quarter of the all-gather time" is for a
+R-1 directly to their owners, as on a switched fabric (NVSwitch, a fat tree). Conventions differ:
+the Scaling Book's (Austin et al., "How to Scale Your Model", 2025) "about a quarter of the all-gather time" is for a
 bidirectional ring/torus where chunks travel several hops and V is the logical array; that is
 a topology statement, not this per-rank volume.
 

@@ -11,7 +11,7 @@ adds, dropout: the token-wise regions) it splits the token rows. The rewrite
 - ``Shard(seq) -> Replicate`` before a column-parallel projection is an all-gather (its
   backward a reduce-scatter), done once per value however many projections read it;
 
-which is Megatron's sequence parallelism (seed 000), with no rule of its own.
+which is Megatron's sequence parallelism (Korthikanti et al., 2022), with no rule of its own.
 
 Which tensors a soft entry shards (the *region* rule, :func:`soft_dim`):
 

@@ -1,4 +1,4 @@
-"""A catalog of bad inputs and faults, as a hostile user would try them (issue 9).
+"""A catalog of bad inputs and faults, as a hostile user would try them.
 
 Every case asserts one of two things:
 
@@ -127,7 +127,7 @@ def _plan_small(model):
 # ------------------------------------------------------------------------------------------------
 
 REFUSED = {
-    # layout and dims of the wrong type (issue 9, item 11)
+    # layout and dims of the wrong type
     "layout_value_int": (TypeError, r"layout\['batch'\] is 2 \(int\)",
                          lambda: plan_mlp(layout={"batch": 2})),
     "layout_value_mixed_list": (TypeError, r"layout\['batch'\] is \['dp', 2\]",

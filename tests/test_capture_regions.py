@@ -1,5 +1,5 @@
 """Regions of forward that torch.export keeps as higher-order ops, and losses training cannot
-seed (issue 29, items 2 and 3).
+seed (a loss that is not a scalar).
 
 - ``torch.no_grad()`` / ``torch.set_grad_enabled(False)`` blocks (a router's top-k choice, as
   MoE code writes it) are inlined at capture; what they compute carries no gradient, exactly as

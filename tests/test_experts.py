@@ -100,8 +100,8 @@ def test_capacity_drops_in_global_token_order():
     assert whole == {(r * T + t) * k + j for r in range(2) for t in range(T) for j in range(k) if keep[r][t][j]}
 
 
-def test_seed_tokens_per_expert():
-    """Seed 003, §13.7.2: 64 experts, top-2 routing, 256 tokens -> 8 rows per expert."""
+def test_tokens_per_expert_worked_example():
+    """B * k / E: 64 experts, top-2 routing, 256 tokens -> 256 * 2 / 64 = 8 rows per expert."""
     assert tokens_per_expert(256, 2, 64) == 8
 
 

@@ -1,5 +1,5 @@
 """Fuzz test: "exact or refused" on random programs with the features that once gave silently
-wrong results (issue 9).
+wrong results.
 
 Each program is a random property-test program (``tests/test_property.py``: its generator,
 module and oracle) wrapped with a random mix of

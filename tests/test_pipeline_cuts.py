@@ -80,8 +80,8 @@ def test_chosen_cuts_are_the_brute_force_optimum(make, config):
 
 def test_heavy_head_gets_fewer_blocks():
     """Large vocabulary, small hidden: the output projection and loss outweigh blocks, so the
-    last stage takes fewer blocks than the first (seed 000: equal layer counts do not imply
-    equal stage times); with a small vocabulary the blocks split evenly."""
+    last stage takes fewer blocks than the first (equal layer counts do not imply equal
+    stage times); with a small vocabulary the blocks split evenly."""
     def blocks(plan):
         return [sum(1 for p in s.params if p.startswith("layers.") and p.endswith("q_proj.weight"))
                 for s in plan.stages]

@@ -97,7 +97,8 @@ def test_held_bytes_equal_state_bytes_with_masters(stage):
     predicted = plan.state_bytes(optimizer_states=2)
     assert all(h == predicted for h in run_simulated(plan.mesh, rank_fn))
     n = sum(p.numel() for p in model.parameters()) // (2 if stage == 3 else 1)
-    # seed 003: bf16 weights and gradients, fp32 master and two fp32 Adam moments (2 + 2 + 12 bytes)
+    # ZeRO's accounting (Rajbhandari et al., 2020): bf16 weights and gradients, fp32 master and
+    # two fp32 Adam moments (2 + 2 + 12 bytes)
     assert predicted == {"params": 2 * n, "grads": 2 * n, "optimizer": 12 * n}
     assert plan.cost["memory"]["optimizer"] == 12 * n
 

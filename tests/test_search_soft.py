@@ -1,5 +1,5 @@
 """The layout search over soft entries (sequence parallelism when activations do not fit) and over
-parameter dims nobody named (Megatron found with only the inputs named): issue 12, parts 1 and 3."""
+parameter dims nobody named (Megatron found with only the inputs named)."""
 import collections
 import copy
 import re

@@ -25,7 +25,7 @@ def plan_for(model, args, dims, mesh, layout, stage, reshard):
                                zero_stage=stage, reshard_after_forward=reshard)
 
 
-# --------------------------------------------------------------------------- seed example
+# --------------------------------------------------------------------------- worked example
 
 
 class Contribution(nn.Module):
@@ -39,9 +39,10 @@ class Contribution(nn.Module):
         return (c * self.p).sum(-1).mean()
 
 
-def test_seed_fsdp_momentum_update():
-    """Seed 003, "From gradient shards to updated parameters": two ranks, fully sharded,
-    SGD lr 0.1 momentum 0.9 -> [0.755, 1.645, 2.31, 3.29]."""
+def test_fsdp_momentum_update():
+    """From gradient shards to updated parameters: two ranks, fully sharded, p = [1, 2, 3, 4],
+    mean gradient g = [2, 4, 6, 8], PyTorch SGD lr 0.1 momentum 0.9 from v = [0.5, -0.5, 1, -1]:
+    v' = 0.9 v + g = [2.45, 3.55, 6.9, 7.1], p' = p - 0.1 v' = [0.755, 1.645, 2.31, 3.29]."""
     model = Contribution()
     c = torch.tensor([[1.0, 2.0, 3.0, 4.0], [3.0, 6.0, 9.0, 12.0]])  # one row per data rank
     plan = autoshard.autoshard(model, (c,), mesh=Mesh({"dp": 2}), dims={"c": "batch d", "p": "d"},
@@ -128,7 +129,7 @@ def dp_schedule(plan):
     return per_param
 
 
-# Seed 003, Table 13.2, per parameter and step: DDP all-reduces gradients; ZeRO-1 all-reduces
+# ZeRO's stages (Rajbhandari et al., 2020), per parameter and step: DDP all-reduces gradients; ZeRO-1 all-reduces
 # them and all-gathers updated slices; ZeRO-2 reduce-scatters them and all-gathers updated
 # slices; ZeRO-3 gathers before forward (and again before backward when it resharded) and
 # reduce-scatters gradients.
@@ -184,7 +185,7 @@ def moved_bytes(plan, fqn, ranks):
 
 
 def test_full_sharding_moves_one_and_a_half_times_ddp():
-    """Seed 003: full sharding costs about 1.5x plain data parallelism (gather for forward,
+    """Full sharding (ZeRO-3, Rajbhandari et al., 2020) costs about 1.5x plain data parallelism (gather for forward,
     gather again for backward, reduce-scatter vs one all-reduce), per parameter that backward
     reads; keeping the gathered parameter through backward removes the second gather."""
     torch.manual_seed(0)
