@@ -538,8 +538,8 @@ class SearchSpace:
         stream = set(self._soft_names(every=True))
         opts = []
         for k in range(len(ok) + 1):
-            for combo in itertools.combinations(ok, k):
-                s = frozenset(combo) | fixed_here
+            for combo in itertools.combinations(self._name_classes(ok, pairs), k):
+                s = frozenset(n for cls in combo for n in cls) | fixed_here
                 if any(frozenset(p) in pairs for p in itertools.combinations(sorted(s), 2)):
                     continue
                 if soft_fixed:
@@ -553,6 +553,46 @@ class SearchSpace:
                     # every activation, so the soft entry would change nothing but the name.
                     opts += [s | {n + SOFT_MARK} for n in soft_ok if n not in s]
         return opts
+
+    def _name_classes(self, ok: list, pairs: set) -> list:
+        """``ok`` grouped into classes of names that are one choice: the same units on every
+        mesh axis (so the same leading atoms), the same standing as context parallelism and soft
+        entry, and no conflict among them. Such names go on an axis together or not at all
+        without losing a program: a set holding part of a class gives the rewrite the same units
+        as the set holding all of it (the candidate the enumeration kept anyway, naming the most
+        dims), and two names sharing leading atoms must go on the same axes. A Llama's
+        ``q_proj.out``, ``k_proj.out``, ``v_proj.out`` and ``o_proj.in`` (all split at the heads
+        atom) are one class: 37 axis options instead of 261."""
+        stream = set(self._soft_names(every=True))
+        by_key: dict = {}
+        for n in ok:
+            key = (self._multi_axis_units(n), n in self.context.names, n in stream)
+            by_key.setdefault(key, []).append(n)
+        classes = []
+        for names in by_key.values():
+            if any(frozenset(p) in pairs for p in itertools.combinations(names, 2)):
+                classes += [(n,) for n in names]  # members conflict: each its own choice
+            else:
+                classes.append(tuple(names))
+        return sorted(classes, key=lambda c: ok.index(c[0]))
+
+    def _multi_axis_units(self, name) -> tuple:
+        """The units ``name`` gets on every set of mesh axes (size > 1) splitting it, in mesh
+        order: one axis alone, and several at once (where a dim's atoms are split across them,
+        two names with the same one-axis units may differ)."""
+        key = ("multi-axis-units", name)
+        if key not in self._nu:
+            axes = [a for a in self.mesh.names if self.mesh.axes[a] > 1]
+            out = []
+            for k in range(1, len(axes) + 1):
+                for sub in itertools.combinations(axes, k):
+                    try:
+                        r = self._units({name: sub})
+                        out.append(tuple(tuple(sorted(r.units[a])) for a in sub))
+                    except self._LayoutError:
+                        out.append(None)
+            self._nu[key] = tuple(out)
+        return self._nu[key]
 
     def _soft_names(self, every: bool = False) -> list:
         """Open names a soft entry may shard: dims of the residual stream, carried by
@@ -912,9 +952,28 @@ class SearchSpace:
 
     # ------------------------------------------------------------------ communication bound
     def _records_key(self, axis, names: frozenset) -> tuple:
-        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
+        # one-axis programs depend on the axis size, not its name: shared across mesh shapes;
+        # and on the units the names resolve to, not on the names: name sets giving the same
+        # units share one rewrite
         extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
-        return ("axis-records", self.reduced is not None, self.mesh.axes[axis], names, extra1, self.train)
+        size = self.mesh.axes[axis]
+        ukey = ("axis-units", self.reduced is not None, size, names, extra1)
+        units = self._shared.get(ukey)
+        if units is None:
+            try:
+                resolved = resolve_layout(self._named_red, self._layout1(axis, names), Mesh({"axis": size}))
+                units = (tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ()))))
+            except self._LayoutError:
+                units = ("invalid", names)
+            self._shared[ukey] = units
+        return ("axis-records", self.reduced is not None, size, units, extra1, self.train)
+
+    def _layout1(self, axis, names: frozenset) -> dict:
+        """The one-axis layout of ``names`` on ``axis`` (renamed "axis"), with the glob entries."""
+        layout1 = {n.rstrip(SOFT_MARK): "axis" + (SOFT_MARK if n.endswith(SOFT_MARK) else "") for n in names}
+        for k in sorted(k for k, v in self.extra.items() if v and axis in v):
+            layout1[k] = "axis"
+        return layout1
 
     def _touched(self, src, info) -> frozenset:
         """First atoms of the dims of ``src``'s value (what a collective on it touches)."""
@@ -960,9 +1019,7 @@ class SearchSpace:
         r = self.reduced
         graph, info, inputs = (r.graph, r.info, r.inputs) if r is not None else (self.graph, self.info, self.inputs)
         mesh1 = Mesh({"axis": size})
-        layout1 = {n.rstrip(SOFT_MARK): "axis" + (SOFT_MARK if n.endswith(SOFT_MARK) else "") for n in names}
-        for k in extra1:
-            layout1[k] = "axis"
+        layout1 = self._layout1(axis, names)
         try:
             resolved = resolve_layout(self._named_red, layout1, mesh1)
             grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
