@@ -29,10 +29,13 @@ from autoshard.cost.checkpoint import checkpointed_program_cost
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.api import apply_dim_names
+from autoshard.passes.param_names import name_parameter_dims
 from autoshard.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plain_models  # noqa: E402
 
 
 # --------------------------------------------------------------------------- random programs
@@ -117,18 +120,31 @@ def random_case(seed: int):
     return model, (x,), model.dims(), mesh, CostModel(random_hardware(r), overlap=r.random() < 0.7), train, r
 
 
+def _inputs_only(model_args_dims):
+    """The model with only its inputs named: every parameter dim gets a module-derived name,
+    as when the search runs without weight annotations (autoshard.passes.param_names)."""
+    model, args, dims = model_args_dims
+    return model, args, {k: v for k, v in dims.items() if "." not in k and "*" not in k}, True
+
+
 STRUCTURED = {
     "llama-dp2tp2": lambda: (llama_tiny(with_labels=True), Mesh({"dp": 2, "tp": 2}), "h100", False),
     "llama-tp4-train": lambda: (llama_tiny(with_labels=True), Mesh({"tp": 4}), "h100", True),
     "llama5-tp2-train": lambda: (llama_tiny(with_labels=True, num_layers=5), Mesh({"tp": 2}), "cpu-gloo", True),
     "gpt2-tp4": lambda: (gpt2_tiny(with_labels=True), Mesh({"tp": 4}), "cpu-gloo", False),
+    # only the inputs named, every dim open (the space the search meets on a first try): a CNN
+    # with BatchNorm, and a decoder with rotary attention (name classes, stopped one-axis rewrites)
+    "cnn-inputs-tp4-train": lambda: (_inputs_only(plain_models.cnn(train=True)), Mesh({"tp": 4}), "h100", True),
+    "gpt-inputs-tp4-train": lambda: (_inputs_only(plain_models.gpt()), Mesh({"tp": 4}), "h100", True),
 }
 
 
-def prepared(model, args, dims):
+def prepared(model, args, dims, name_params=False):
     cap = capture(model, args)
     info = infer_dims(cap.graph, {i.name: i.target for i in cap.inputs})
     apply_dim_names(info, cap, dims)
+    if name_params:
+        name_parameter_dims(info, cap.graph, cap.inputs)
     return cap, info
 
 
@@ -182,8 +198,8 @@ def check_optimal(cap, info, mesh, cm, train, memory_limit=None):
 
 @pytest.mark.parametrize("name", sorted(STRUCTURED))
 def test_optimal_on_structured_models(name):
-    (model, args, dims), mesh, hw, train = STRUCTURED[name]()
-    cap, info = prepared(model, args, dims)
+    built, mesh, hw, train = STRUCTURED[name]()
+    cap, info = prepared(*built)
     res, n = check_optimal(cap, info, mesh, CostModel(load_hardware(hw)), train)
     assert res.evaluated <= n
 
