@@ -7,11 +7,11 @@ For every architecture of ``tests/hf_zoo.py`` and the plain-PyTorch test models
 (``tests/plain_models.py``) at test size, training, ``hardware="h100"``, on each mesh: the search
 space size (candidates), how many the branch and bound evaluated, the process CPU seconds of
 torch.export (autoshard's capture) and of autoshard beyond it (dims, search, final rewrite), and
-their ratio, search / max(export, 0.5 s) (the target: <= 2, i.e. search <= max(2 x export, 1 s)). Both are measured warm (one plan made
-earlier in the process) and reported as the median of ``--repeat`` runs; CPU time, not wall time,
-because the machine is shared. A case over ``--timeout`` CPU seconds is reported as such. Then the
-8B Llama (projections named, dp=8 x tp=8, forward) and the 70B ``Mesh.auto(64, ("pp", "dp", "tp"))``
-(training, 80 GB) beyond export.
+their ratio, search / max(export, 0.5 s) (the target: <= 2, i.e. search <= max(2 x export, 1 s)).
+Both are measured warm (one plan made earlier in the process) and reported as the median of
+``--repeat`` runs; CPU time, not wall time, because the machine is shared. A case over
+``--timeout`` CPU seconds is reported as such. Then the 8B Llama (projections named, dp=8 x tp=8,
+forward) and the 70B ``Mesh.auto(64, ("pp", "dp", "tp"))`` (training, 80 GB) beyond export.
 """
 import argparse
 import os
