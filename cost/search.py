@@ -444,6 +444,9 @@ class SearchSpace:
         self._state_terms: dict = {}  # state_memory's per-input shares, by placement
         self._held_ids: dict = {}  # candidate axes -> number of its held placements (by value)
         self._held_places: dict = {}  # held placements -> that number
+        # seconds of blocking communication that bound a candidate out (set by the search):
+        # one-axis rewrites stop there (:meth:`_axis_records`); None: rewrite them whole
+        self.records_budget: Optional[float] = None
         self._prepare_bounds()
 
     # ------------------------------------------------------------------ enumeration
@@ -538,8 +541,8 @@ class SearchSpace:
         stream = set(self._soft_names(every=True))
         opts = []
         for k in range(len(ok) + 1):
-            for combo in itertools.combinations(ok, k):
-                s = frozenset(combo) | fixed_here
+            for combo in itertools.combinations(self._name_classes(ok, pairs), k):
+                s = frozenset(n for cls in combo for n in cls) | fixed_here
                 if any(frozenset(p) in pairs for p in itertools.combinations(sorted(s), 2)):
                     continue
                 if soft_fixed:
@@ -553,6 +556,46 @@ class SearchSpace:
                     # every activation, so the soft entry would change nothing but the name.
                     opts += [s | {n + SOFT_MARK} for n in soft_ok if n not in s]
         return opts
+
+    def _name_classes(self, ok: list, pairs: set) -> list:
+        """``ok`` grouped into classes of names that are one choice: the same units on every
+        mesh axis (so the same leading atoms), the same standing as context parallelism and soft
+        entry, and no conflict among them. Such names go on an axis together or not at all
+        without losing a program: a set holding part of a class gives the rewrite the same units
+        as the set holding all of it (the candidate the enumeration kept anyway, naming the most
+        dims), and two names sharing leading atoms must go on the same axes. A Llama's
+        ``q_proj.out``, ``k_proj.out``, ``v_proj.out`` and ``o_proj.in`` (all split at the heads
+        atom) are one class: 37 axis options instead of 261."""
+        stream = set(self._soft_names(every=True))
+        by_key: dict = {}
+        for n in ok:
+            key = (self._multi_axis_units(n), n in self.context.names, n in stream)
+            by_key.setdefault(key, []).append(n)
+        classes = []
+        for names in by_key.values():
+            if any(frozenset(p) in pairs for p in itertools.combinations(names, 2)):
+                classes += [(n,) for n in names]  # members conflict: each its own choice
+            else:
+                classes.append(tuple(names))
+        return sorted(classes, key=lambda c: ok.index(c[0]))
+
+    def _multi_axis_units(self, name) -> tuple:
+        """The units ``name`` gets on every set of mesh axes (size > 1) splitting it, in mesh
+        order: one axis alone, and several at once (where a dim's atoms are split across them,
+        two names with the same one-axis units may differ)."""
+        key = ("multi-axis-units", name)
+        if key not in self._nu:
+            axes = [a for a in self.mesh.names if self.mesh.axes[a] > 1]
+            out = []
+            for k in range(1, len(axes) + 1):
+                for sub in itertools.combinations(axes, k):
+                    try:
+                        r = self._units({name: sub})
+                        out.append(tuple(tuple(sorted(r.units[a])) for a in sub))
+                    except self._LayoutError:
+                        out.append(None)
+            self._nu[key] = tuple(out)
+        return self._nu[key]
 
     def _soft_names(self, every: bool = False) -> list:
         """Open names a soft entry may shard: dims of the residual stream, carried by
@@ -912,9 +955,28 @@ class SearchSpace:
 
     # ------------------------------------------------------------------ communication bound
     def _records_key(self, axis, names: frozenset) -> tuple:
-        # one-axis programs depend on the axis size, not its name: shared across mesh shapes
+        # one-axis programs depend on the axis size, not its name: shared across mesh shapes;
+        # and on the units the names resolve to, not on the names: name sets giving the same
+        # units share one rewrite
         extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
-        return ("axis-records", self.reduced is not None, self.mesh.axes[axis], names, extra1, self.train)
+        size = self.mesh.axes[axis]
+        ukey = ("axis-units", self.reduced is not None, size, names, extra1)
+        units = self._shared.get(ukey)
+        if units is None:
+            try:
+                resolved = resolve_layout(self._named_red, self._layout1(axis, names), Mesh({"axis": size}))
+                units = (tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ()))))
+            except self._LayoutError:
+                units = ("invalid", names)
+            self._shared[ukey] = units
+        return ("axis-records", self.reduced is not None, size, units, extra1, self.train)
+
+    def _layout1(self, axis, names: frozenset) -> dict:
+        """The one-axis layout of ``names`` on ``axis`` (renamed "axis"), with the glob entries."""
+        layout1 = {n.rstrip(SOFT_MARK): "axis" + (SOFT_MARK if n.endswith(SOFT_MARK) else "") for n in names}
+        for k in sorted(k for k, v in self.extra.items() if v and axis in v):
+            layout1[k] = "axis"
+        return layout1
 
     def _touched(self, src, info) -> frozenset:
         """First atoms of the dims of ``src``'s value (what a collective on it touches)."""
@@ -945,39 +1007,54 @@ class SearchSpace:
             agg[rec] = agg.get(rec, 0) + mult
         return agg
 
-    def _axis_records(self, axis, names: frozenset):
+    def _axis_records(self, axis, names: frozenset, budget: Optional[float] = None):
         """Collectives on ``axis`` when it alone shards ``names`` (a one-axis rewrite): the
         rewrite decides each axis's ownership independently of the others, so a candidate
         with this axis option has at least these collectives on the axis, each moving at least
-        its bytes divided by the other axes that can split the value. Cached."""
+        its bytes divided by the other axes that can split the value. Cached.
+
+        With ``budget`` (seconds) the rewrite stops as soon as the blocking collectives it has
+        emitted cost that much, however the other axes split them: the records are then a part
+        of the program's (the rewrite emits collectives in program order and, building no
+        graph, never removes one), so every bound they give is still a lower bound, and one
+        high enough to bound out every candidate with this axis option (see :func:`_search`).
+        Such partial records carry the space that made them; another space (another mesh
+        shape) makes its own. Aggregated without the repeated-block multiplicity (a part of a
+        block proves no steady state)."""
 
         size = self.mesh.axes[axis]
-        extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
         key = self._records_key(axis, names)
         cache = self._shared
-        if key in cache:
-            return cache[key]
+        budget = self.records_budget if budget is None else budget
+        got = cache.get(key, False)
+        if got is not False and (got is None or got[3] is None or (got[3][0] is self and budget is not None
+                                                                     and got[3][1] >= budget)):
+            return got
         r = self.reduced
         graph, info, inputs = (r.graph, r.info, r.inputs) if r is not None else (self.graph, self.info, self.inputs)
         mesh1 = Mesh({"axis": size})
-        layout1 = {n.rstrip(SOFT_MARK): "axis" + (SOFT_MARK if n.endswith(SOFT_MARK) else "") for n in names}
-        for k in extra1:
-            layout1[k] = "axis"
+        layout1 = self._layout1(axis, names)
+        grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
+        emitted = (_Budgeted(self._budget_seconds(axis, grad), budget) if budget is not None and math.isfinite(budget)
+                   else [])
+        partial = False
         try:
             resolved = resolve_layout(self._named_red, layout1, mesh1)
-            grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
             self.rewrites += 1
             with lazy_programs():
-                program = rewrite(graph, info, resolved, mesh1, grad, self.display, collectives_only=True,
-                                  **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
+                rewrite(graph, info, resolved, mesh1, grad, self.display, collectives_only=True, collectives=emitted,
+                        **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
+        except _OverBudget:
+            partial = True
         except self._LayoutError:
             cache[key] = None
             return None
+        if partial:
+            r = None  # no block multiplicity: a part of the program proves no steady state
         nodes = {n.name: n for n in graph.nodes}
-        grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
         recs = []
         grad_recs = []  # parameter gradient all-reduces: for the comm-stream bound only
-        for c in program.collectives:
+        for c in list(emitted):
             if c.phase != "forward" and not self.train or c.op == "grad_bucket" or self.context.overlapped(c):
                 continue  # gradient buckets are costed from the program's ready points
             is_param = c.node in grad
@@ -994,9 +1071,41 @@ class SearchSpace:
         # the gradient syncs, aggregated the same way (their own steady-state check)
         g_agg = self._aggregate([((c.kind, c.bytes, self._touched(nodes.get(c.node), info), True), blk)
                                  for c, blk in grad_recs], r)
-        out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg, g_agg)
+        out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg, g_agg,
+               (self, budget) if partial else None)
         cache[key] = out
         return out
+
+    def complete_records(self, cand: Candidate, budget: float) -> bool:
+        """Rewrite again, up to ``budget`` seconds (``math.inf``: whole), the one-axis records of
+        ``cand``'s axes that stopped short of it; True if any was (the bounds cached from them are
+        dropped)."""
+        changed = False
+        for a, names in cand.axes:
+            if self.mesh.axes[a] == 1:
+                continue
+            got = self._shared.get(self._records_key(a, names))
+            if got and got[3] is not None and (got[3][0] is not self or got[3][1] < budget):
+                self._axis_records(a, names, budget)
+                changed = True
+        if changed:
+            self._cb_cache.clear()
+        return changed
+
+    def _budget_seconds(self, axis, grad: set):
+        """What a collective of a one-axis rewrite on ``axis`` adds, at least, to the
+        communication bound of any candidate using it (:meth:`_comm_bound`): nothing for what
+        that bound leaves out (gradient syncs and buckets, context-parallel attention traffic,
+        a parameter's own conversions, which a ZeRO 2/3 data axis may skip), else its time with
+        its bytes divided by every other axis."""
+        others = math.prod(n for b, n in self.mesh.axes.items() if b != axis)
+
+        def seconds(c) -> float:
+            if (c.phase != "forward" and not self.train or c.op == "grad_bucket" or self.context.overlapped(c)
+                    or c.node in grad):
+                return 0.0
+            return collective_seconds(self.cm, self.mesh, c.kind, (axis,), c.bytes / others)
+        return seconds
 
     def comm_bound(self, cand: Candidate) -> float:
         """A lower bound on the blocking communication time of ``cand`` (seconds)."""
@@ -1142,6 +1251,25 @@ class SearchSpace:
         return t
 
 
+class _OverBudget(Exception):
+    """A budgeted one-axis rewrite has emitted enough collectives (:class:`_Budgeted`)."""
+
+
+class _Budgeted(list):
+    """The collective list of a one-axis rewrite that stops it (raises :class:`_OverBudget`)
+    once the collectives appended cost ``budget`` seconds by ``seconds(collective)``."""
+
+    def __init__(self, seconds, budget: float):
+        super().__init__()
+        self._seconds, self._left = seconds, budget
+
+    def append(self, c):
+        super().append(c)
+        self._left -= self._seconds(c)
+        if self._left <= 0:
+            raise _OverBudget()
+
+
 class _CachedNames:
     """A read-only view of a DimInfo whose ``all_names`` / ``lookup`` are computed once (the
     search resolves hundreds of layouts against names that no longer change)."""
@@ -1238,7 +1366,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
                 infeasible += 1
                 continue
             cb = space.compute_bound(c)
-            heap.append((cb, k, c, 3 if not refine else 0, cb))
+            heap.append((cb, k, c, 4 if not refine else 0, cb))
         except space._LayoutError:
             continue
     heapq.heapify(heap)
@@ -1250,11 +1378,67 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
     invalid = space.invalid
     last_print = t0
     notes = []
+    # No candidate's step is below the least compute bound: once ``keep`` costs are known, a
+    # one-axis rewrite whose blocking collectives reach (keep-th cost - that) seconds has bound
+    # out every candidate with its axis option, and stops there (SearchSpace._axis_records).
+    least = min((h[0] for h in heap), default=0.0)
+
+    def update_budget():
+        # first against the best cost (bounding out most axis options after a collective or
+        # two); records that stopped there are rewritten against the keep-th cost before a
+        # candidate relying on them is evaluated (SearchSpace.complete_records)
+        costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
+        space.records_budget = costs[keep - 1] - least if len(costs) >= keep else None
+        return costs
+
+    seeded = set()
+    latency = min((collective_seconds(space.cm, space.mesh, "all_reduce", (a,), 0.0)
+                   for a, n in space.mesh.axes.items() if n > 1), default=0.0)
+    if refine and heap and max(h[0] for h in heap) <= 10 * latency:
+        # The whole compute unsplit is worth a few collective latencies (a small, latency-bound
+        # model): the plans sharding least are the likely best, and their costs, known first,
+        # let the one-axis rewrites stop early. They are evaluated first; the search is
+        # otherwise unchanged.
+        for _, k, c, _, _ in sorted(heap, key=lambda h: (sum(len(s) for _, s in h[2].axes), h[2].zero_stage, h[1])):
+            if evaluated >= 2 * keep or len(found) >= keep:
+                break
+            seeded.add(k)
+            try:
+                cost = space.evaluate(c)
+            except space._LayoutError:  # e.g. a ZeRO stage without a data axis
+                invalid += 1
+                continue
+            evaluated += 1
+            if cost.fits(limit):
+                found.append(Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh))
+            else:
+                infeasible += 1
+                if over is None or cost.step_time < over.cost.step_time:
+                    over = Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh)
+        found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+    update_budget()
     while heap:
         lb, k, c, level, base = heapq.heappop(heap)
         costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
         if len(costs) >= keep and lb >= costs[keep - 1]:
             break  # nothing left can enter the best ``keep`` (of this and earlier meshes)
+        if k in seeded:
+            continue  # evaluated before the loop
+        if level == 3 and space.records_budget is not None:
+            # records that stopped at the best cost bound this candidate from below, but not
+            # necessarily out of the best ``keep``: rewrite them whole first (the gradient syncs
+            # they hold lift the stream bound too), and bound again (another candidate may have
+            # completed them since this one's bound was taken)
+            try:
+                space.complete_records(c, math.inf)
+                cb = space.comm_bound(c)
+                nxt = max(base + cb, space.optimizer_bound(c) + space.stream_bound(c, cb))
+                if nxt > lb:
+                    heapq.heappush(heap, (nxt, k, c, 4, base))
+                    continue
+            except space._LayoutError:
+                invalid += 1
+                continue
         if level < 3:
             # refine in steps, cheapest first: the exact optimizer phase (``base`` = compute +
             # optimizer from then on), the communication of the axes whose one-axis records are
@@ -1290,6 +1474,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
             continue
         found.append(Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh))
         found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+        update_budget()
         now = time.perf_counter()
         if progress is not None:
             progress(popped, total, found[0])

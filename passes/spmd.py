@@ -785,7 +785,7 @@ def lazy_programs():
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
             storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
             collectives_only: bool = False, region_axis=None,
-            user_inputs=(), data_axes=()) -> Program:
+            user_inputs=(), data_axes=(), collectives: Optional[list] = None) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
@@ -797,10 +797,14 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     regions computed from sharded state move into its reduce-scatters (``grad_regions``).
     ``user_inputs``: placeholder names of the model's own inputs (the batch), whose dependent
     values' gradient sums on ``data_axes`` (the axes that split them, ``ownership.data_axes``)
-    are not deferred under gradient accumulation."""
+    are not deferred under gradient accumulation. ``collectives``: the list the collectives are
+    appended to as the rewrite emits them, in program order (the layout search passes one that
+    stops a one-axis rewrite once what it has emitted already bounds the candidates out)."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = requires_grad_nodes(graph, grad_inputs)
-    return _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
-                     bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs,
-                     data_axes).run()
+    rewriter = _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
+                         bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs, data_axes)
+    if collectives is not None:
+        rewriter.collectives = collectives
+    return rewriter.run()

@@ -1,7 +1,8 @@
 """The search against brute force.
 
-- Optimality: on 24 small programs (structured models and randomly generated residual stacks,
-  some with >= 4 identical blocks so the evaluator cuts the graph, on 1- and 2-axis meshes, with
+- Optimality: on 26 small programs (structured models, two with only the inputs named, and
+  random residual stacks, some with >= 4 identical blocks so the evaluator cuts the graph, on
+  1- and 2-axis meshes, with
   random hardware, forward-only or training with every ZeRO stage, some under a memory limit),
   the plan the branch-and-bound search returns has exactly the minimum modelled cost found by
   evaluating every candidate of the same space on the *whole* graph, one full rewrite each.
@@ -81,8 +82,8 @@ def check_optimal(cap, info, mesh, cm, train, memory_limit=None):
 
 @pytest.mark.parametrize("name", sorted(STRUCTURED))
 def test_optimal_on_structured_models(name):
-    (model, args, dims), mesh, hw, train = STRUCTURED[name]()
-    cap, info = prepared(model, args, dims)
+    built, mesh, hw, train = STRUCTURED[name]()
+    cap, info = prepared(*built)
     res, n = check_optimal(cap, info, mesh, CostModel(load_hardware(hw)), train)
     assert res.evaluated <= n
 

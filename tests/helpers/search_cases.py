@@ -13,7 +13,9 @@ from autoshard.cost.model import CostModel
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.api import apply_dim_names
+from autoshard.passes.param_names import name_parameter_dims
 from examples.models import gpt2_tiny, llama_tiny
+from tests.helpers import plain_models
 
 
 class Block(nn.Module):
@@ -97,17 +99,31 @@ def random_case(seed: int):
     return model, (x,), model.dims(), mesh, CostModel(random_hardware(r), overlap=r.random() < 0.7), train, r
 
 
+def _inputs_only(model_args_dims):
+    """The model with only its inputs named: every parameter dim gets a module-derived name,
+    as when the search runs without weight annotations (autoshard.passes.param_names)."""
+    model, args, dims = model_args_dims
+    return model, args, {k: v for k, v in dims.items() if "." not in k and "*" not in k}, True
+
+
 STRUCTURED = {
     "llama-dp2tp2": lambda: (llama_tiny(with_labels=True), Mesh({"dp": 2, "tp": 2}), "h100", False),
     "llama-tp4-train": lambda: (llama_tiny(with_labels=True), Mesh({"tp": 4}), "h100", True),
     "llama5-tp2-train": lambda: (llama_tiny(with_labels=True, num_layers=5), Mesh({"tp": 2}), "cpu-gloo", True),
     "gpt2-tp4": lambda: (gpt2_tiny(with_labels=True), Mesh({"tp": 4}), "cpu-gloo", False),
+    # only the inputs named, every dim open (the space the search meets on a first try): a CNN
+    # with BatchNorm, and a decoder with rotary attention (name classes, stopped one-axis rewrites)
+    "cnn-inputs-tp4-train": lambda: (_inputs_only(plain_models.cnn(train=True)), Mesh({"tp": 4}), "h100", True),
+    "gpt-inputs-tp4-train": lambda: (_inputs_only(plain_models.gpt()), Mesh({"tp": 4}), "h100", True),
 }
 
 
-def prepared(model, args, dims):
-    """(captured program, dims info) with the user's ``dims`` applied: the search's input."""
+def prepared(model, args, dims, name_params=False):
+    """(captured program, dims info) with the user's ``dims`` applied: the search's input;
+    ``name_params``: parameter dims nobody named get module-derived names, as the search gives them."""
     cap = capture(model, args)
     info = infer_dims(cap.graph, {i.name: i.target for i in cap.inputs})
     apply_dim_names(info, cap, dims)
+    if name_params:
+        name_parameter_dims(info, cap.graph, cap.inputs)
     return cap, info
