@@ -28,6 +28,7 @@ from autoshard.runtime.transport.watchdog import Heartbeat
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
 from .inputs import load_inputs
+from .memory import process_bytes, report as memory_report
 from .plan_file import _pipeline, _this, load_programs, loss_shape, read_plan
 from .program import rank_loop, rank_program
 from .training import Stopped, prepare_training, train_loop
@@ -89,6 +90,7 @@ def prepare(root: Path, args) -> dict:
 
 
 def run(root: Path, args) -> int:
+    baseline = process_bytes().get("VmRSS", 0)  # the process before any of the program (memory.py)
     local_rank = _env_int("LOCAL_RANK", 0)
     try:
         ctx = prepare(root, args)
@@ -118,7 +120,7 @@ def run(root: Path, args) -> int:
     store = dist.distributed_c10d._get_default_store()
     beat = Heartbeat(store, rank)
     try:
-        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda)
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline)
     except RunError as e:  # found by every rank at the same point (a bad token in --data)
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
@@ -148,7 +150,7 @@ def run(root: Path, args) -> int:
     return rc
 
 
-def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline=0) -> int:
     say = _say if rank == 0 else (lambda msg: None)
     backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
     train = args.steps > 0
@@ -165,6 +167,7 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
             f"microbatches per step")
     with rank_context(mesh, rank, backend):
         rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        ctx["weights"] = None  # every rank has its blocks: the weights file's mapping goes
         if ctx["loop"]:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
         elif doc.get("pipeline"):
@@ -176,6 +179,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
+    memory_report(rank, mesh, doc, train=train, device=device, baseline=baseline, metrics=args.metrics,
+                  shm_axes=[a for a, t in transports.items() if t == "shared memory" and mesh.axes[a] > 1], say=say)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
