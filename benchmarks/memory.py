@@ -224,9 +224,9 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 path = export(cfg, layout, work)
                 measured, predicted, terms = autoshard_side(path, hf_dir, n, work)
-                row.update(autoshard=max(measured), predicted=max(predicted), ratio=max(
-                    m / p for m, p in zip(measured, predicted)), minratio=min(m / p for m, p in zip(measured, predicted)),
-                    secs=time.perf_counter() - t0)
+                ratios = [m / p for m, p in zip(measured, predicted)]
+                row.update(autoshard=max(measured), predicted=max(predicted), ratio=max(ratios),
+                           minratio=min(ratios), secs=time.perf_counter() - t0)
                 if args.terms:
                     print(layout, {k: (round(v / GIB, 3) if isinstance(v, float) else v) for k, v in terms.items()})
             if "pytorch" in sides:

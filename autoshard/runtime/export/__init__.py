@@ -25,8 +25,8 @@ It is part of the core (it imports the mesh, ownership and runtime alone, never 
 so an export runs wherever autoshard is installed. One module per job: :mod:`.plan_file`
 (plan.json), :mod:`.weights`, :mod:`.inputs`, :mod:`.data` (``--data``), :mod:`.program` (this
 rank's program), :mod:`.checks` (``--check``), :mod:`.training` (the training loop),
-:mod:`.errors` (one-line errors, the lost-peer diagnosis), :mod:`.launch` (one torchrun
-process), :mod:`.cli` (options, ``main``), :mod:`.pipeline` (pipelined exports) and
+:mod:`.errors` (one-line errors, the lost-peer diagnosis), :mod:`.memory` (each rank's
+measured peak and its prediction), :mod:`.launch` (one torchrun process), :mod:`.cli` (options, ``main``), :mod:`.pipeline` (pipelined exports) and
 :mod:`.launcher` (the run.py an export gets). The names below are this package's API (tests
 and ``passes.export``'s ``simulate_export`` use them).
 """

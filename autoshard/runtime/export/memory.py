@@ -115,7 +115,7 @@ def shm_bytes(doc: dict, mesh, axis: str) -> int:
             payloads.append(c["bytes"])
     buckets = doc.get("grad_buckets") or {}
     if buckets.get("axis") == axis:
-        sizes = {m["name"]: _local_bytes(m, mesh)[0] for m in doc["inputs"] if m.get("shape")}
+        sizes = {m["name"]: _local_bytes(m, mesh)[0] for m in doc.get("inputs", ()) if m.get("shape")}
         payloads += [b for b in (sum(sizes.get(p, 0) for p in bk["params"]) for bk in buckets.get("buckets", []))
                      if b <= SharedMemoryGroup.MAX_BYTES]
     return SharedMemoryGroup.segment_bytes(n, max(payloads + [1]))
@@ -138,12 +138,13 @@ def predicted_terms(doc: dict, mesh, *, train: bool, device_type: str, baseline:
     buckets = doc.get("grad_buckets") or {}
     bucketed = {n for b in buckets.get("buckets", []) for n in b["params"]}
     if train and bucketed and mesh.axes.get(buckets.get("axis"), 1) > 1:
-        terms["grad_buckets"] = sum(_local_bytes(m, mesh)[0] for m in doc["inputs"] if m.get("name") in bucketed)
+        terms["grad_buckets"] = sum(_local_bytes(m, mesh)[0] for m in doc.get("inputs", ())
+                                    if m.get("name") in bucketed)
     else:
         terms["grad_buckets"] = 0.0
     terms["spare_buffers"] = float(spare_bound(doc, mesh, terms["grad_buckets"])) if cpu and train else 0.0
     terms["shm_segments"] = float(sum(shm_bytes(doc, mesh, a) for a in shm_axes)) if cpu else 0.0
-    state = [_local_bytes(m, mesh) for m in doc["inputs"]
+    state = [_local_bytes(m, mesh) for m in doc.get("inputs", ())
              if m["kind"] in ("parameter", "buffer") and m.get("role", "input") == "input" and m.get("shape")]
     own, touched = sum(s[0] for s in state), sum(s[1] for s in state)
     # while loading: the blocks already copied and the pages of the file touched (own rows, or
