@@ -3,7 +3,8 @@
 ::
 
     autoshard plan    examples/models.py:llama_tiny --mesh dp=2,tp=2 --layout batch=dp,heads=tp,ffn=tp
-    autoshard explain examples/models.py:llama_tiny --mesh tp=4 --layout heads=tp,ffn=tp
+    autoshard summary examples/models.py:llama_tiny --mesh tp=4 --layout heads=tp,ffn=tp
+    autoshard explain examples/models.py:llama_tiny --mesh dp=2,tp=2 --train   # why this plan (plan.explain())
     autoshard export  examples/models.py:llama_tiny out/llama --mesh dp=2,tp=2 --layout ...
     autoshard run     examples/models.py:llama_tiny --mesh dp=2,tp=2 --layout ... [--steps 2]
     autoshard calibrate ...
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
 import importlib
 import importlib.util
@@ -28,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .options import OPTION_TYPES, option_flag, parse_bytes
 
 EXIT_USAGE = 2
 
@@ -191,6 +195,73 @@ def _first_line(e: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# the options of autoshard.autoshard as flags (one per field of autoshard.options' objects)
+# ------------------------------------------------------------------------------------------------
+
+def _dest(cls, f) -> str:
+    return f"option_{cls.__name__}_{f.name}"
+
+
+def add_option_flags(parser) -> None:
+    """One flag per field of every option object of :mod:`autoshard.options`, grouped by object,
+    with the field's doc as help: ``--train``, ``--zero-stage``, ``--hardware``, ``--pipeline``,
+    ``--precision``, ``--recompute``, ``--strict``, ...
+
+    Example::
+
+        p = argparse.ArgumentParser(); add_option_flags(p)
+        options_from_flags(p.parse_args(["--hardware", "h100", "--precision", "bf16"]))
+        # [SearchOptions(search=None, hardware='h100', memory_limit=None), PrecisionOptions(param=torch.bfloat16, ...)]
+    """
+    for cls in OPTION_TYPES:
+        summary = cls.__doc__.split("\n\n")[0].replace("``", "")
+        group = parser.add_argument_group(f"{cls.__name__} (autoshard.options)", summary)
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            if m["parse"] is bool:
+                group.add_argument(option_flag(f), dest=_dest(cls, f), action="store_true", default=None,
+                                   help=m["doc"])
+                continue
+            metavar = m["metavar"] or ("{" + ",".join(map(str, m["choices"])) + "}" if m["choices"] else "VALUE")
+            group.add_argument(option_flag(f), dest=_dest(cls, f), default=None, metavar=metavar, help=m["doc"])
+
+
+def _flag_value(f, text: str):
+    """The value of one option flag's ``text`` (its field's parser, its choices checked)."""
+    m, flag = f.metadata, option_flag(f)
+    if m["parse"] is bool:
+        return True
+    choices = m["choices"]
+    hint = f"{flag} {m['metavar'] or '{' + ','.join(map(str, choices)) + '}'}"
+    try:
+        value = m["parse"](text) if m["parse"] is not None else text
+    except ValueError as e:
+        raise UsageError(f"{flag} {text!r}: {e}", hint) from None
+    if choices is not None and m["parse"] in (None, int) and value not in choices:
+        raise UsageError(f"{flag} {text!r} is not one of {', '.join(map(str, choices))}", hint)
+    return value
+
+
+def options_from_flags(ns) -> list:
+    """The option objects (:mod:`autoshard.options`) the flags in ``ns`` set: one object per
+    kind with any of its flags given, the others left out (``autoshard.autoshard``'s
+    defaults). A value that does not parse is a :class:`UsageError` naming the flag.
+
+    Example::
+
+        ns = build_parser().parse_args(["plan", "m.py:f", "--mesh", "dp=2", "--recompute", "on"])
+        options_from_flags(ns)   # [RecomputeOptions(checkpoint=True)]
+    """
+    out = []
+    for cls in OPTION_TYPES:
+        given = {f.name: _flag_value(f, getattr(ns, _dest(cls, f))) for f in dataclasses.fields(cls)
+                 if getattr(ns, _dest(cls, f), None) is not None}
+        if given:
+            out.append(cls(**given))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # the commands
 # ------------------------------------------------------------------------------------------------
 
@@ -198,28 +269,17 @@ def _make_plan(ns):
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     import autoshard
 
-    if ns.zero_stage is not None and not ns.train:
-        raise UsageError(f"--zero-stage {ns.zero_stage} shards training state, but the plan is not for training",
-                         "add --train")
+    options = options_from_flags(ns)
+    training = next((o for o in options if isinstance(o, autoshard.TrainingOptions)), autoshard.TrainingOptions())
+    if training.zero_stage is not None and not training.train:
+        raise UsageError(f"--zero-stage {training.zero_stage} shards training state, but the plan is not for "
+                         f"training", "add --train")
     mesh = autoshard.Mesh(parse_mesh(ns.mesh))
     layout = parse_layout(ns.layout)
     fn = load_factory(ns.target)
     model, args, kwargs, dims = call_factory(fn, ns.target, parse_factory_args(ns.factory_arg))
-    options = {}
-    if ns.train:
-        options["train"] = True
-    if ns.zero_stage is not None:
-        options["zero_stage"] = ns.zero_stage
-    if ns.memory_limit is not None:
-        # deferred: torch is heavy; --help and typing mistakes answer without loading it
-        from autoshard.api import parse_bytes
-
-        try:
-            options["memory_limit"] = parse_bytes(ns.memory_limit)
-        except ValueError as e:
-            raise UsageError(str(e), "bytes per device, e.g. --memory-limit 80GB") from None
-    plan = autoshard.autoshard(model, args, kwargs, mesh=mesh, dims=dims, layout=layout,
-                               verbose=ns.verbose, **options)
+    plan = autoshard.autoshard(model, args, kwargs, mesh=mesh, dims=dims, layout=layout, options=options,
+                               verbose=ns.verbose)
     return plan, args, kwargs
 
 
@@ -229,7 +289,7 @@ def cmd_plan(ns) -> int:
     return 0
 
 
-def explain(plan) -> str:
+def summary(plan) -> str:
     """A compact view: layout, what is sharded, every collective with its reason."""
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from tabulate import tabulate
@@ -268,18 +328,22 @@ def _size(n) -> str:
     return str(n)
 
 
+def cmd_summary(ns) -> int:
+    plan, _, _ = _make_plan(ns)
+    print(summary(plan))
+    return 0
+
+
 def cmd_explain(ns) -> int:
     plan, _, _ = _make_plan(ns)
-    print(explain(plan))
+    print(plan.explain())
     return 0
 
 
 def _export(plan, args, kwargs, out, ns):
-    # deferred: torch is heavy; --help and typing mistakes answer without loading it
-    from autoshard.passes.export import export_plan
-
-    return export_plan(plan, out, args, kwargs, weights=ns.weights, weights_prefix=ns.weights_prefix,
-                       reference=False if ns.no_reference else None, overwrite=ns.force)
+    budget = {} if ns.check_budget is None else {"check_budget": int(parse_bytes(ns.check_budget))}
+    return plan.export(out, args, kwargs, weights=ns.weights, weights_prefix=ns.weights_prefix,
+                       reference=False if ns.no_reference else None, overwrite=ns.force, **budget)
 
 
 def cmd_export(ns) -> int:
@@ -339,6 +403,18 @@ def _launch(cmd, timeout) -> int:
     return rc
 
 
+def cmd_consolidate(ns) -> int:
+    # deferred: torch is heavy; --help and typing mistakes answer without loading it
+    from autoshard.runtime.execution.hf_consolidate import write_hf
+
+    out = write_hf(ns.ckpt, ns.out, format=ns.format, like=ns.like, max_shard_size=ns.max_shard_size,
+                   weights_prefix=ns.weights_prefix, overwrite=ns.force)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"wrote {out}/ ({len(files)} files: {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}); "
+          f"load it with from_pretrained({str(out)!r})")
+    return 0
+
+
 def cmd_calibrate(ns) -> int:
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     from autoshard.cost import calibrate
@@ -369,27 +445,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a function returning (model, args, dims), e.g. examples/models.py:llama_tiny")
         sp.add_argument("--mesh", required=True, help="named mesh axes in order, e.g. dp=2,tp=2")
         sp.add_argument("--layout", help="dim -> mesh axes, e.g. batch=dp,heads=tp,ffn=tp")
-        sp.add_argument("--train", action="store_true", help="plan for training (forward, backward, optimizer)")
-        sp.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="state sharding on the data axis")
-        sp.add_argument("--memory-limit", help="bytes per device, e.g. 80GB")
         sp.add_argument("--factory-arg", action="append", metavar="NAME=VALUE",
                         help="keyword argument for the factory (repeatable), e.g. with_labels=True")
         sp.add_argument("--verbose", action="store_true", help="progress of planning on stderr")
         sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+        add_option_flags(sp)  # every option of autoshard.autoshard
 
     sp = sub.add_parser("plan", help="print the plan: named dims, owners, collectives with reasons")
     planning(sp)
     sp.set_defaults(func=cmd_plan)
-    sp = sub.add_parser("explain", help="print a compact view: layout and every collective with its reason")
+    sp = sub.add_parser("summary", help="print a compact view: layout and every collective with its reason")
+    planning(sp)
+    sp.set_defaults(func=cmd_summary)
+    sp = sub.add_parser("explain", help="print why the cost model chose this plan (plan.explain())")
     planning(sp)
     sp.set_defaults(func=cmd_explain)
 
     def exporting(sp):
         sp.add_argument("--weights", help="checkpoint run.py slices instead of the model's weights: a state dict "
-                                          "by parameter name, a .safetensors file or a save_pretrained directory")
+                                          "by parameter name, a .safetensors file, a save_pretrained directory or a "
+                                          "DCP checkpoint")
         sp.add_argument("--weights-prefix", metavar="PREFIX",
                         help="with --weights: the FQN under which the checkpoint's keys live in the model")
         sp.add_argument("--no-reference", action="store_true", help="do not save references for --check")
+        sp.add_argument("--check-budget", metavar="BYTES",
+                        help="largest model state (e.g. 2GB) checked against a whole unsharded reference; beyond "
+                             "it, and for a model on the meta device, --check runs one block of each kind (default 2GB)")
 
     sp = sub.add_parser("export", help="write a directory runnable with torchrun")
     planning(sp)
@@ -409,6 +490,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=float, default=900.0, help="seconds before torchrun is stopped")
     sp.add_argument("run_args", nargs="*", metavar="-- RUN.PY ARGS", help="more arguments for run.py after --")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("consolidate", help="write a checkpoint as a Hugging Face save_pretrained directory")
+    sp.add_argument("ckpt", metavar="CKPT", help="an autoshard checkpoint, a --ckpt directory (its newest complete "
+                                                 "one) or a torch.distributed.checkpoint directory")
+    sp.add_argument("out", metavar="OUT", help="directory to create")
+    sp.add_argument("--format", default="safetensors", choices=("safetensors",), help="file format (safetensors)")
+    sp.add_argument("--like", metavar="HF_DIR", help="copy config.json, generation config and tokenizer files from it")
+    sp.add_argument("--max-shard-size", default="5GB", help="largest shard, as save_pretrained's (default 5GB)")
+    sp.add_argument("--weights-prefix", metavar="PREFIX", help="remove this FQN prefix from the keys (a training "
+                                                               "wrapper's attribute holding the HF model)")
+    sp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    sp.set_defaults(func=cmd_consolidate)
 
     sp = sub.add_parser("calibrate", help="measure this machine's compute and links for the cost model")
     sp.add_argument("mesh", nargs="?", default="x=2", help="mesh axes to measure, e.g. dp=2,tp=2 (default x=2)")

@@ -5,15 +5,15 @@ Run: .venv/bin/python benchmarks/search_70b.py [--layers 80] [--batch 32] [--seq
                                              [--case free|megatron|both] [--memory-limit 80GB]
 
 Cases:
-* ``free``: every layout and ZeRO stage open (the issue's acceptance call). 70B x 16 B = 1.13 TB
-  of state; ZeRO-3 over 64 ranks leaves ~17.6 GB a rank, so no pipeline is needed;
-* ``megatron``: the seed's setting (003 §13.6): tp shards heads / kv_heads / ffn / vocab, batch
-  on dp, ZeRO off; a rank then holds 1.13 TB / tp, over 80 GB for any tp <= 8, and the
+* ``free``: every layout and ZeRO stage open. 70B x 16 B = 1.13 TB of state; ZeRO-3 over 64
+  ranks leaves ~17.6 GB a rank, so no pipeline is needed;
+* ``megatron``: Megatron's setting: tp shards heads / kv_heads / ffn / vocab, batch on dp, ZeRO
+  off; a rank then holds 1.13 TB / tp, over 80 GB for any tp <= 8, and the
   planner pipelines.
 
 For each: the chosen mesh, the pipeline decision (``plan.explain()``'s pipeline part),
 torch.export's time and autoshard's own time beyond it, wall and this process's CPU time (the
-issue's target: <= 5 s beyond torch.export). The machine is shared: the load average is printed
+target: <= 5 s beyond torch.export). The machine is shared: the load average is printed
 before and after; the CPU time does not count waiting for a core.
 """
 import argparse

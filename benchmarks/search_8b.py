@@ -6,9 +6,9 @@ Run: .venv/bin/python benchmarks/search_8b.py [--layers 32 64] [--mesh dp=8,tp=8
 For each layer count: torch.export's time, then autoshard's own wall time beyond it (named dims,
 search, the final rewrite of the winner), the best of ``--repeat`` runs (this machine is
 shared), and the process CPU time beyond export (the least of the runs; what load does not
-inflate: on this 2-core machine other work makes wall time noisy), the chosen plan,
-its predicted step time, and the search statistics. The issue's targets: <= 2 s beyond
-torch.export on this 2-core machine, and 64 layers <= 2.1x the time of 32.
+inflate: on a shared machine other work makes wall time noisy), the chosen plan, its predicted
+step time, and the search statistics. The targets: <= 2 s beyond torch.export on a 2-core CPU,
+and 64 layers <= 2.1x the time of 32.
 """
 import argparse
 import os

@@ -17,8 +17,8 @@ send / recv     the message                                V                    
 ==============  =========================================  =====================  ============
 
 All-to-all convention: each rank splits its V-byte buffer into R chunks, keeps one and sends
-R-1 directly to their owners, as on a switched fabric (NVSwitch, a fat tree). Seed 000 warns
-that conventions differ: the Scaling Book's "about a quarter of the all-gather time" is for a
+R-1 directly to their owners, as on a switched fabric (NVSwitch, a fat tree). Conventions differ:
+the Scaling Book's (Austin et al., "How to Scale Your Model", 2025) "about a quarter of the all-gather time" is for a
 bidirectional ring/torus where chunks travel several hops and V is the logical array; that is
 a topology statement, not this per-rank volume.
 
@@ -36,7 +36,7 @@ from typing import Callable
 
 import sympy as sp
 
-from autoshard.runtime.primitives.collectives import COMM_KINDS
+from autoshard.runtime.primitives.collectives import COMM_KINDS, POINT_TO_POINT
 
 from .hardware import LinkSpec
 
@@ -142,7 +142,7 @@ def collective_bytes(kind: str, payload_bytes: float, ranks: int) -> float:
     """
     k = _kind(kind)
     _check(payload_bytes, ranks)
-    if ranks == 1 and k not in ("send", "recv"):
+    if ranks == 1 and k not in POINT_TO_POINT:  # a group of one moves nothing
         return 0.0
     return float(_bytes_fn(k)(float(payload_bytes), float(ranks)))
 
@@ -159,7 +159,7 @@ def collective_time(kind: str, payload_bytes: float, ranks: int, link: LinkSpec)
     """
     k = _kind(kind)
     _check(payload_bytes, ranks)
-    if ranks == 1 and k not in ("send", "recv"):
+    if ranks == 1 and k not in POINT_TO_POINT:  # a group of one moves nothing
         return 0.0
     return float(_time_fn(k)(float(payload_bytes), float(ranks), float(link.latency),
                              1.0 / link.effective_bandwidth))

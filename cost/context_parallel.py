@@ -1,10 +1,11 @@
 """Cost of context parallelism (attention over a sequence split on a mesh axis).
 
 - :func:`causal_pairs_per_rank`: valid (query, key) pairs each rank computes under a causal
-  mask, for contiguous and zigzag ownership (seed 000, "Why pair early and late queries?").
-- :func:`online_softmax_merge`: the runtime's merge of per-block softmax states (seed 000's
-  worked example), re-exported here.
-- :func:`context_parallel_estimate`: seed 003 §13.5.4's estimate (KV memory, one block's bytes,
+  mask, for contiguous and zigzag ownership (zigzag pairs an early chunk with a late one so every rank gets
+  the same causal work).
+- :func:`online_softmax_merge`: the runtime's merge of per-block softmax states (online softmax,
+  Milakov & Gimelshein, 2018), re-exported here.
+- :func:`context_parallel_estimate`: ring attention's estimate (Liu et al., 2023: KV memory, one block's bytes,
   transfer and compute time of a block pair) and the per-layer time of ring attention against
   the all-gather-KV variant; :func:`choose_variant` picks the faster for a plan.
 - :func:`attention_seconds`: forward / backward seconds of one rewritten ring or all-gather
@@ -53,7 +54,7 @@ def causal_pairs_per_rank(seq_len: int, ranks: int, order: str = "zigzag") -> li
 
 @dataclass(frozen=True)
 class ContextEstimate:
-    """Seed 003 §13.5.4's quantities for one sequence split over ``ranks``, and the per-layer
+    """Ring attention's quantities (Liu et al., 2023) for one sequence split over ``ranks``, and the per-layer
     forward time of both attention variants (seconds)."""
 
     kv_bytes: float           # K and V of the full sequence, every layer
@@ -76,8 +77,10 @@ def context_parallel_estimate(seq_len: int, ranks: int, *, layers: int, heads: i
                               dtype_bytes: int = 2, batch: int = 1, causal: bool = True, order: str = "zigzag",
                               link: Optional[LinkSpec] = None, device: Optional[DeviceSpec] = None,
                               dtype: str = "bf16") -> ContextEstimate:
-    """Seed 003's 128k example through the cost formulas (defaults: the ``h100`` preset's
-    device and the fastest link, 400 GB/s NVLink-class in the seed's words).
+    """A long sequence split over ``ranks`` through the cost formulas (defaults: the ``h100``
+    preset's device and its fastest link, a 400 GB/s NVLink-class link). Worked example: a
+    128k-token sequence of the Llama-3-8B shape (32 layers, 32 heads, 8 KV heads, head dim 128,
+    bf16) on eight GPUs holds K+V = 2*131072*8*128*2*32 B = 16 GiB, 2 GiB per rank.
 
     The ring overlaps each hop with the attention on the block already present, so a hop costs
     ``max(compute, transfer)``; causal masking leaves the busiest rank ``busiest_fraction`` of
@@ -234,8 +237,8 @@ def context_explanation(program, mesh, cm, *, step_time: float = 0.0, memory_lim
     """Sentences for ``plan.explain()`` about a program's context-parallel attention (empty
     when it has none): per axis the variant and order chosen and why (ring vs all-gather
     seconds per attention from :func:`attention_seconds`), the bytes of one K/V block and how
-    the blocks circulate, the full sequence's K/V against the resident shard (seed 003
-    §13.5.4), and why the sequence is split at all: ``whole`` is ``(layout description, step
+    the blocks circulate, the full sequence's K/V against the resident shard (``2*T*kv_heads*head_dim*bytes*layers``
+    over ``R``), and why the sequence is split at all: ``whole`` is ``(layout description, step
     seconds, peak bytes)`` of the same plan with the sequence kept whole, compared with the
     plan's ``step_time`` and ``memory_limit``. ``seq_names``: {axis: the split dim's name}.
 

@@ -3,7 +3,7 @@ imbalance and grouped-GEMM efficiency.
 
 Example::
 
-    >>> tokens_per_expert(256, 2, 64)     # seed 003, section 13.7.2
+    >>> tokens_per_expert(256, 2, 64)     # 256 tokens * top-2 / 64 experts
     8.0
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 def tokens_per_expert(tokens: int, top_k: int, experts: int) -> float:
     """Average (token, expert) assignments per expert before capacity limits: ``B * k / E``
-    (seed 003, §13.7.2: 64 experts, top-2, 256 tokens -> 8 rows). Actual counts depend on the
+    (64 experts, top-2, 256 tokens -> 256 * 2 / 64 = 8 rows). Actual counts depend on the
     router; the busiest expert (or rank) sets the expert phase's time.
 
     >>> tokens_per_expert(4096, 8, 128)

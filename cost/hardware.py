@@ -296,7 +296,7 @@ H100_SXM = DeviceSpec(
         "fp64": 66.9e12,  # FP64 tensor core
     },
     mem_bandwidth=3.35e12,  # HBM3, 3.35 TB/s
-    # "80 GB" is the planning figure the seeds use (the stack is 80 GiB; ~79.6 GiB usable).
+    # 80e9 bytes is the planning figure (NVIDIA's "80GB"; the stack is 80 GiB, ~79.6 GiB usable).
     mem_capacity=80e9,
 )
 

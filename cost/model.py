@@ -44,6 +44,7 @@ import torch
 
 from autoshard.ownership import held_fraction, slice_dim_for
 from autoshard.passes.early_sums import EARLY_COPY
+from autoshard.passes import rules
 from autoshard.passes.overlap_linear import unfused
 from autoshard.passes.spmd import requires_grad_nodes
 from autoshard.runtime.primitives.buckets import assign_buckets
@@ -154,14 +155,9 @@ def formula_text(kind: str) -> str:
 
 # --------------------------------------------------------------------------- compute
 
-MATMUL_OPS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
-              aten.addmm.default, aten.baddbmm.default}
-# Ops that only re-describe memory: no flops, no traffic (their dispatch overhead still counts).
-VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-            aten.permute.default, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
-            aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor,
-            aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
-            aten.split_with_sizes.default, aten.unbind.int, aten.flatten.using_ints, aten.unflatten.int}
+# Matrix products ({op: index of the first factor}) and ops that only re-describe memory (no
+# flops, no traffic; their dispatch overhead still counts): classes of the rule table.
+MATMUL_OPS, VIEW_OPS = rules.MATMUL_OPS, rules.VIEW_OPS
 
 
 def _tensors(x, out):
@@ -192,7 +188,7 @@ def op_work(target, args, kwargs, outs: list) -> tuple[float, float]:
     nbytes = float(sum(_numel(t) * t.element_size() for t in ins) + sum(_numel(t) * t.element_size() for t in outs))
     out0 = outs[0] if outs else None
     if target in MATMUL_OPS and out0 is not None:
-        a = args[1] if target in (aten.addmm.default, aten.baddbmm.default) else args[0]
+        a = args[MATMUL_OPS[target]]
         av = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
         k = int(av.shape[-1]) if av is not None and av.dim() else 1
         if target is aten.linear.default:

@@ -36,9 +36,9 @@ from torch import fx
 from autoshard.ownership import R, Shard
 from autoshard.runtime.primitives.ring_attention import ORDERS, allgather_attention, ring_attention
 
-from autoshard.passes.dims import DimInfo, module_of, source_line
-from autoshard.passes.rules import arg, is_tensor_node, shape_of
-from autoshard.passes.spmd import Collective, LayoutError
+from .dims import DimInfo, module_of, source_line
+from .rules import arg, is_tensor_node, shape_of
+from .spmd import LayoutError
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -201,11 +201,12 @@ def fixed_inputs(ctx: ContextPlan, graph: fx.Graph, places: dict, info: DimInfo,
     return out
 
 
-def _visit(rw, node: fx.Node, at: Attention):
-    """Write the per-rank program of one context-parallel SDPA node."""
-    ix = rw.info.indexing[node]
-    modes = rw.choose_modes(node, ix)
-    cp = rw.axes.index(at.axis)
+def _visit(lw, node: fx.Node, at: Attention):
+    """Write the per-rank program of one context-parallel SDPA node (``lw``: the rewrite's
+    :class:`~.lowering.Lowering`)."""
+    ix = lw.info.indexing[node]
+    modes = lw.choose_modes(node, ix)
+    cp = lw.axes.index(at.axis)
     q, k, v = node.args[:3]
     mask = arg(node, 3, "attn_mask")
     letters = {}
@@ -219,9 +220,9 @@ def _visit(rw, node: fx.Node, at: Attention):
     if is_tensor_node(mask):
         operands.append((3, mask, letters.get(3)))
     varying = {at.axis}
-    targets = {j: [None] * len(rw.axes) for j, _, _ in operands}
-    out_place = [R] * len(rw.axes)
-    for i, a in enumerate(rw.axes):
+    targets = {j: [None] * len(lw.axes) for j, _, _ in operands}
+    out_place = [R] * len(lw.axes)
+    for i, a in enumerate(lw.axes):
         kind, letter = modes[i]
         for j, src, ls in operands:
             if ls is None:  # a pre-repeat K/V: the letters of K/V with kv heads in place of heads
@@ -243,17 +244,17 @@ def _visit(rw, node: fx.Node, at: Attention):
     if k_src is not None:
         # the pre-repeat K/V must split on every axis like the query heads do, else use the repeat
         for j, src in ((1, k_src), (2, v_src)):
-            for i, a in enumerate(rw.axes):
+            for i, a in enumerate(lw.axes):
                 t = targets[j][i]
-                if isinstance(t, Shard) and i != cp and rw.unit_of(rw.info.of(src)[t.dim], a) is None:
-                    return _visit(rw, node, _without_source(at))
+                if isinstance(t, Shard) and i != cp and lw.unit_of(lw.info.of(src)[t.dim], a) is None:
+                    return _visit(lw, node, _without_source(at))
             if any(isinstance(targets[0][i], Shard) and modes[i][1] == "h" and not isinstance(targets[j][i], Shard)
-                   for i in range(len(rw.axes))):
-                return _visit(rw, node, _without_source(at))
-    reason = f"{rw.dim_label(node, 0, len(shape_of(node)) - 2)} sharded on {at.axis} (context-parallel attention)"
+                   for i in range(len(lw.axes))):
+                return _visit(lw, node, _without_source(at))
+    reason = f"{lw.dim_label(node, 0, len(shape_of(node)) - 2)} sharded on {at.axis} (context-parallel attention)"
     local = {}
     for j, src, _ in operands:
-        local[j] = rw.convert(src, 0, tuple(targets[j]), varying, node, reason)
+        local[j] = lw.convert(src, targets[j], varying, node, reason)
     fn = VARIANTS[at.variant]
     variant = at._variant_opt
     if variant is not None:
@@ -262,39 +263,34 @@ def _visit(rw, node: fx.Node, at: Attention):
             variant = variant(at.axis, tuple(qv.shape), tuple(kv.shape), qv.element_size(), at.causal, at.order)
         at.variant = variant
         fn = VARIANTS[variant]
-    tag = rw.tag
-    rw.tag += 1
+    tag = lw.new_tags(1)
     scale = node.kwargs.get("scale")
-    new = rw.g.call_function(fn, (local[0], local[1], local[2], local.get(3), at.axis, at.causal, at.order,
-                                  scale), {"tag": tag})
-    new.meta = {k_: v_ for k_, v_ in node.meta.items() if k_ != "val"}
     place = tuple(out_place)
-    new.meta["val"] = rw.meta_local(node.meta["val"], place)
-    n = rw.mesh.axes[at.axis]
+    new = lw.call(fn, (local[0], local[1], local[2], local.get(3), at.axis, at.causal, at.order, scale),
+                  {"tag": tag}, like=node, place=place)
+    n = lw.mesh.axes[at.axis]
     where = module_of(node)
     kv_val = local[1].meta.get("val")
     kv_bytes = 2 * kv_val.numel() * kv_val.element_size() if kv_val is not None else 0
     if at.variant == "ring":
         why = (f"ring attention on {at.axis} ({at.order} order, {n} ranks): each rank keeps its queries; K/V blocks "
                f"hop rank i -> i+1, {n - 1} hops merged by online softmax")
-        rw.collectives.append(Collective("send", (at.axis,), kv_bytes * (n - 1), "forward", where, why, node.name,
-                                         source_line(node), tag, fn.__name__))
-        if node in rw.rg:
-            rw.collectives.append(Collective(
-                "send", (at.axis,), kv_bytes * (n - 1) + kv_bytes * n, "backward", where,
-                f"adjoint: ring attention backward on {at.axis}: K/V travel again ({n - 1} hops) with their "
-                f"dK/dV ({n} hops, home to their owner)", node.name, source_line(node), tag, fn.__name__))
+        lw.record("send", at.axis, nbytes=kv_bytes * (n - 1), phase="forward", node=node, tag=tag, op=fn.__name__,
+                  why=why)
+        if lw.needs_grad(node):
+            lw.record("send", at.axis, nbytes=kv_bytes * (n - 1) + kv_bytes * n, phase="backward", node=node, tag=tag,
+                      op=fn.__name__, why=f"adjoint: ring attention backward on {at.axis}: K/V travel again "
+                                          f"({n - 1} hops) with their dK/dV ({n} hops, home to their owner)")
     else:
         why = (f"all-gather attention on {at.axis} ({at.order} order): K/V gathered once for this rank's queries "
                f"(short sequence: one collective beats {n - 1} ring hops)")
-        rw.collectives.append(Collective("all_gather", (at.axis,), kv_bytes, "forward", where, why, node.name,
-                                         source_line(node), tag, fn.__name__))
-        if node in rw.rg:
-            rw.collectives.append(Collective("reduce_scatter", (at.axis,), kv_bytes * n, "backward", where,
-                                             "adjoint: " + why, node.name, source_line(node), tag, fn.__name__))
+        lw.record("all_gather", at.axis, nbytes=kv_bytes, phase="forward", node=node, tag=tag, op=fn.__name__,
+                  why=why)
+        if lw.needs_grad(node):
+            lw.record("reduce_scatter", at.axis, nbytes=kv_bytes * n, phase="backward", node=node, tag=tag,
+                      op=fn.__name__, why="adjoint: " + why)
     new.meta["autoshard"] = {"where": where, "why": why, "tag": tag, "context": at}
-    rw.local[node] = new
-    rw.place[node] = [place]
+    lw.bind(node, new, place)
 
 
 def _without_source(at: Attention) -> Attention:

@@ -66,12 +66,11 @@ import torch
 from torch import fx
 
 from autoshard.ownership import Owned, R, Shard
-from autoshard.runtime.primitives import collectives as C
 from autoshard.runtime.primitives import experts as X
 
 from .dims import DimInfo, module_of, source_line
 from .rules import grouped_matmul_rule, rule_for
-from .spmd import EXPERTS, Collective, LayoutError
+from .spmd import EXPERTS, LayoutError
 
 aten = torch.ops.aten
 
@@ -625,9 +624,9 @@ def lowerings(regions, plans: list) -> dict:
     output; ``plans`` receives each region's :class:`RegionPlan`."""
     out = {}
     for r in regions:
-        def visit(rw, node, r=r):
+        def visit(lw, node, r=r):
             if node is r.output:
-                plans.append(_lower(rw, r))
+                plans.append(_lower(lw, r))
         out.update({n: visit for n in r.nodes})
     return out
 
@@ -641,10 +640,11 @@ def _pairs_per_token(r: ExpertRegion) -> int:
     return 1
 
 
-def _lower(rw, r: ExpertRegion) -> RegionPlan:
-    mesh, axes = rw.mesh, rw.axes
-    ep = experts_axis(r, rw.layout, mesh)
-    hidden_place = rw.place[r.hidden][0]
+def _lower(lw, r: ExpertRegion) -> RegionPlan:
+    """Write region ``r``'s per-rank program (``lw``: the rewrite's :class:`~.lowering.Lowering`)."""
+    mesh, axes = lw.mesh, lw.axes
+    ep = experts_axis(r, lw.layout, mesh)
+    hidden_place = lw.placement(r.hidden)
     token_axes = [a for a, o in zip(axes, hidden_place) if isinstance(o, Shard) and o.dim == 0]
     if ep is not None and ep not in token_axes:
         token_axes.append(ep)  # the batch is whole on ep: each index takes a slice of the tokens
@@ -665,28 +665,27 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
     trace = r.output.meta.get("stack_trace")
 
     def call(fn, *args, val=None, **kwargs):
-        n = rw.g.call_function(fn, args, kwargs)
+        n = lw.call(fn, args, kwargs)
         n.meta.update(val=val, nn_module_stack=stack, stack_trace=trace)
         return n
 
     def new_tag(name):
-        plan.tags[name] = rw.tag
-        rw.tag += 1
+        plan.tags[name] = lw.new_tags(1)
         return plan.tags[name]
 
     def meta(shape, like):
         return torch.empty(shape, dtype=like.dtype, device="meta")
 
-    x = rw.convert(r.hidden, 0, tok, set(), r.output, why_tokens)
+    x = lw.convert(r.hidden, tok, (), r.output, why_tokens)
     cap = r.capacity_factor
     t_cap = new_tag("capacity") if cap is not None and token_axes else None
     if r.form in TOPK_FORMS:
-        idx = rw.convert(r.top_k_index, 0, tok, set(), r.output, why_tokens)
-        weights = rw.convert(r.top_k_weights, 0, tok, set(), r.output, why_tokens)
+        idx = lw.convert(r.top_k_index, tok, (), r.output, why_tokens)
+        weights = lw.convert(r.top_k_weights, tok, (), r.output, why_tokens)
         pairs = call(X.assign_topk, idx, r.num_experts, cap, token_axes, t_cap)
     else:
-        weights = [rw.convert(w, 0, tuple(Shard(0) if a in token_axes else R for a in axes), set(), r.output,
-                              why_tokens) for w in r.weights]
+        weights = [lw.convert(w, tuple(Shard(0) if a in token_axes else R for a in axes), (), r.output, why_tokens)
+                   for w in r.weights]
         pairs = call(X.assign_dense, weights, cap, token_axes, t_cap)
     hv = _tensor(r.hidden)
     rows = call(X.pair_rows, x, pairs, val=meta((plan.pairs, h), hv))
@@ -702,10 +701,10 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
             env[r.expert_ids] = call(X.expert_ids, route, _tensor(r.expert_ids).dtype,
                                      val=meta((plan.pairs,), _tensor(r.expert_ids)))
         for p in r.params:
-            target = rw.fixed.get(p.name) or rw.desired(p)
+            target = lw.fixed(p.name) or lw.desired(p)
             varying = {a for a, o in zip(axes, target) if a in token_axes and not isinstance(o, Shard)}
-            env[p] = rw.convert(p, 0, target, varying, r.output, why_tokens)
-        out_rows = _copy_body(rw, r, r.body, env, plan.pairs, El)
+            env[p] = lw.convert(p, target, varying, r.output, why_tokens)
+        out_rows = _copy_body(lw, r, r.body, env, plan.pairs, El)
     else:
         segments = call(X.expert_segments, mine, route)
         per_slot = []
@@ -713,8 +712,8 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
             env = {r.hidden: call(operator.getitem, segments, j, val=meta((max(plan.pairs // El, 0), h), hv))}
             for k, p0 in enumerate(r.expert_params[0]):
                 group = [r.expert_params[e][k] for e in range(r.num_experts)]
-                env[p0] = _slot_param(rw, r, group, ep, j, token_axes, call, why_tokens)
-            per_slot.append(_copy_body(rw, r, r.body, env, plan.pairs // El, El))
+                env[p0] = _slot_param(lw, r, group, ep, j, token_axes, call, why_tokens)
+            per_slot.append(_copy_body(lw, r, r.body, env, plan.pairs // El, El))
         out_rows = call(aten.cat.default, per_slot, 0, val=meta((plan.pairs,) + tuple(_tensor(r.body_out).shape[1:]),
                                                                _tensor(r.body_out)))
     t_combine = new_tag("combine")
@@ -730,61 +729,55 @@ def _lower(rw, r: ExpertRegion) -> RegionPlan:
         elif r.init in r.nodes:
             init = call(r.init.target, x, *r.init.args[1:], val=out_val, **r.init.kwargs)
         else:
-            init = rw.convert(r.init, 0, tok, set(), r.output, why_tokens)
+            init = lw.convert(r.init, tok, (), r.output, why_tokens)
         out = call(X.combine_dense, back, pairs, weights, init, val=out_val)
-    rw.local[r.output] = out
-    rw.place[r.output] = [tok]
+    lw.bind(r.output, out, tok)
     sliced = [a for a, o in zip(axes, hidden_place) if a in token_axes and not (isinstance(o, Shard) and o.dim == 0)]
     if sliced:
         # The batch is whole on these axes (ep on its own axis): each index computed a slice of
         # the tokens, and the layer returns them as it got them. The gather is the plan's own,
         # like the dispatch (``plan.unsharded`` does not list it; strict accepts it).
-        first = rw.tag
+        first = lw.next_tag
         whole = tuple(R if a in sliced else o for o, a in zip(tok, axes))
-        rw.local[r.output] = rw.convert(
-            r.output, 0, whole, set(), r.output,
+        gathered = lw.convert(
+            r.output, whole, (), r.output,
             f"MoE layer '{r.module}' computed a slice of its tokens on each index of {', '.join(sliced)}, where "
             f"the batch is whole; it returns them whole")
-        rw.place[r.output] = [whole]
-        plan.tags["tokens"] = tuple(range(first, rw.tag))
-    _records(rw, plan)
+        lw.bind(r.output, gathered, whole)
+        plan.tags["tokens"] = tuple(range(first, lw.next_tag))
+    _records(lw, plan)
     return plan
 
 
-def _slot_param(rw, r, group, ep, slot, token_axes, call, why):
+def _slot_param(lw, r, group, ep, slot, token_axes, call, why):
     """The parameter of this rank's ``slot``-th expert (one per expert in ``group``)."""
     p = group[slot]
     if ep is None:
-        target = rw.desired(p)
+        target = lw.desired(p)
         varying = {a for a in token_axes}
-        return rw.convert(p, 0, target, varying, r.output, why)
-    q = call(X.owned, tuple(rw.local[g] for g in group), ep, slot, val=rw.local[p].meta.get("val"))
+        return lw.convert(p, target, varying, r.output, why)
+    q = call(X.owned, tuple(lw.local(g) for g in group), ep, slot, val=lw.local(p).meta.get("val"))
     for a in token_axes:
         if a == ep:
             continue
-        q = rw.emit(C.mark_varying, q, a, (), p, r.output, why, R, R)
-        tag = q.meta["autoshard"]["tag"]
-        why_q = (f"this rank's expert {slot} of '{r.module}' (like {rw.display.get(p.name, p.name)}) feeds per-rank "
+        why_q = (f"this rank's expert {slot} of '{r.module}' (like {lw.display(p.name)}) feeds per-rank "
                  f"work on {a}: backward sums its gradient over the replicas of that expert")
-        q.meta["autoshard"]["why"] = why_q
-        for c in rw.collectives:
-            if c.tag == tag:
-                c.why = why_q
+        q = lw.mark_varying(q, a, p, r.output, why_q)
     return q
 
 
-def _copy_body(rw, r, body, env, rows: int, local_experts: int):
+def _copy_body(lw, r, body, env, rows: int, local_experts: int):
     """Copy ``body`` into the per-rank graph reading ``env``; returns the copy of the body's output.
     Meta values get this rank's shapes: ``rows`` token rows, ``local_experts`` experts."""
     row_nodes = set()
     for n in body:
-        new = rw.g.node_copy(n, lambda a: env[a])
+        new = lw.copy_node(n, lambda a: env[a])
         is_row = r.form == "looped" or any(a is r.rows or a is r.expert_ids or a in row_nodes
                                            for a in n.all_input_nodes)
         if is_row:
             row_nodes.add(n)
         new.meta = dict(n.meta)
-        new.meta["val"] = _local_val(rw.info, r, n, rows if is_row else None, local_experts)
+        new.meta["val"] = _local_val(lw.info, r, n, rows if is_row else None, local_experts)
         env[n] = new
     return env[r.body_out]
 
@@ -809,31 +802,31 @@ def _local_val(info, r, n, rows, local_experts):
     return one(val, 0)
 
 
-def _records(rw, plan: RegionPlan) -> None:
+def _records(lw, plan: RegionPlan) -> None:
     """The region's collectives, with the bytes of a balanced routing (``pairs`` rows per rank)."""
     r, ep = plan.region, plan.experts_axis
-    where, line, node = r.module, source_line(r.output), r.output.name
+    where, line, node = r.module, source_line(r.output), r.output
     count_bytes = r.num_experts * 8
     if plan.tags.get("capacity") is not None:
         for a in plan.token_axes:
-            rw.collectives.append(Collective(
-                "all_gather", (a,), count_bytes, "forward", where,
-                f"capacity of MoE layer '{r.module}': rows per expert of the ranks holding earlier tokens, so every "
-                f"rank drops the same pairs as one device would", node, line, plan.tags["capacity"], "assign"))
+            lw.record("all_gather", a, nbytes=count_bytes, phase="forward", node=node, where=where, line=line,
+                      tag=plan.tags["capacity"], op="assign",
+                      why=f"capacity of MoE layer '{r.module}': rows per expert of the ranks holding earlier tokens, "
+                          f"so every rank drops the same pairs as one device would")
     if ep is None:
         return
-    n = rw.mesh.axes[ep]
+    n = lw.mesh.axes[ep]
     rows = plan.pairs * plan.row_bytes
     per_expert = plan.pairs * n / r.num_experts
-    rw.collectives.append(Collective(
-        "all_to_all", (ep,), count_bytes, "forward", where,
-        f"count exchange of MoE layer '{r.module}': rows each rank sends to each expert on {ep}, so every rank "
-        f"knows how many rows it receives", node, line, plan.tags["route"], "exchange_counts"))
+    lw.record("all_to_all", ep, nbytes=count_bytes, phase="forward", node=node, where=where, line=line,
+              tag=plan.tags["route"], op="exchange_counts",
+              why=f"count exchange of MoE layer '{r.module}': rows each rank sends to each expert on {ep}, so every "
+                  f"rank knows how many rows it receives")
     dispatch = (f"dispatch of MoE layer '{r.module}': token rows to the ranks of their experts on {ep} "
                 f"({plan.local_experts} experts per rank; balanced routing: {per_expert:g} rows per expert)")
     combine = f"combine of MoE layer '{r.module}': expert outputs back to the ranks of their tokens on {ep}"
     for phase, prefix in (("forward", ""), ("backward", "adjoint: ")):
-        rw.collectives.append(Collective("all_to_all", (ep,), rows, phase, where, prefix + dispatch, node, line,
-                                         plan.tags["dispatch"], "dispatch_rows"))
-        rw.collectives.append(Collective("all_to_all", (ep,), rows, phase, where, prefix + combine, node, line,
-                                         plan.tags["combine"], "combine_rows"))
+        lw.record("all_to_all", ep, nbytes=rows, phase=phase, node=node, where=where, line=line,
+                  tag=plan.tags["dispatch"], op="dispatch_rows", why=prefix + dispatch)
+        lw.record("all_to_all", ep, nbytes=rows, phase=phase, node=node, where=where, line=line,
+                  tag=plan.tags["combine"], op="combine_rows", why=prefix + combine)

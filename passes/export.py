@@ -8,10 +8,15 @@
       plan.json      mesh, layout, every input's owner per mesh axis, collectives, cost
       run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K];
                      it calls the installed runner, autoshard.runtime.export
-      weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap)
-      buffers.pt     instead of weights.pt for a model on the meta device: its non-persistent
-                     buffers, recomputed on the CPU (parameters come from run.py --weights)
+      weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap),
+                     written once; not written with weights=SRC (plan.json points at SRC,
+                     relative to the export), so several layouts can share one source
+      buffers.pt     instead of weights.pt for a model on the meta device, or with weights=SRC:
+                     the tensors no checkpoint has (non-persistent buffers; a meta model's
+                     recomputed on the CPU); parameters come from SRC or run.py --weights
       inputs.pt      the example inputs (when given)
+      normalizer.py  a masked-mean loss's count of valid tokens, for run.py --grad-accum K
+                     (passes/loss_count.py; absent for other losses)
       reference.pt   outputs, gradients and training losses of the unsharded model (when given)
 
 The directory appears only when everything is written (it is assembled next to ``path`` and
@@ -57,6 +62,8 @@ from autoshard.runtime.primitives.overlap_linear import varying_linears
 from autoshard.runtime import export as runner  # the export runner, which run.py calls
 from autoshard.runtime.export import FORMAT, VERSION
 from autoshard.runtime.export.launcher import run_py_source
+
+from . import loss_count as LC
 
 from .buffers import RecomputeError, non_persistent_buffers, recompute_buffers
 from .dims import module_of, source_line
@@ -422,7 +429,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "aliases": dict(plan.captured.aliases),
         "state_dict_keys": list(plan.model.state_dict().keys()),  # checkpoints: consolidate's keys
         "reshard_tags": sorted(plan.program.reshard_tags),
-        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if getattr(plan, "reduce_dtype", None) else None,
+        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if plan.reduce_dtype is not None else None,
         "grad_buckets": _grad_buckets(plan),
         "weights": {"file": weights_file, "checkpoint": checkpoint, "buffers": buffers_file},
         "example_inputs": INPUTS if has_inputs else None,
@@ -489,8 +496,8 @@ KEYS_HINT = "keys must be the model's parameter names"
 def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -> tuple:
     """(names the program needs that the checkpoint lacks (aliases of tied weights accepted):
     its parameters, and ``needed`` (a meta model's persistent buffers); the hint for a prefix
-    that would fix them, or ''). The checkpoint is read as run.py reads it (a safetensors
-    source: its headers only)."""
+    that would fix them, or ''; the names of the program's tensors the checkpoint has). The
+    checkpoint is read as run.py reads it (a safetensors or DCP source: its headers only)."""
     try:
         state = runner.read_checkpoint(path, prefix)
     except runner.RunError as e:
@@ -510,7 +517,20 @@ def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -
                                   f"has {m['shape']}")
     known = {n for m in inputs_meta for n in [m["target"]] + reverse.get(m["target"], [])}
     fix = runner._common_prefix_fix([k for k in state if k not in known], missing, "give weights_prefix={!r}")
-    return missing, fix
+    has = {m["target"] for m in inputs_meta if any(n in state for n in [m["target"]] + reverse.get(m["target"], []))}
+    return missing, fix, has
+
+
+def recorded_source(checkpoint: Path, path: Path) -> str:
+    """``weights=SRC`` as plan.json records it: relative to the export directory (run.py
+    resolves it against its own directory), so that no absolute path of the exporting machine
+    is written and the export moves with its weights; ``run.py --weights`` overrides it.
+
+    Example::
+
+        recorded_source(Path("/data/llama-hf"), Path("/data/exports/tp4"))   # "../../llama-hf"
+    """
+    return os.path.relpath(checkpoint, Path(path).resolve())
 
 
 WHY_NO_WEIGHTS = ("the model was planned on the meta device: its parameters must come from run.py --weights SRC "
@@ -563,6 +583,7 @@ def _meta_model_buffers(plan, inputs_meta, given: Optional[dict]) -> dict:
 
 
 def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: Optional[bool] = None,
+                check_budget: int = REFERENCE_LIMIT_BYTES,
                 reference_steps: int = 2, lr: float = 1e-3, overwrite: bool = False,
                 buffers: Optional[dict] = None, weights_prefix: Optional[str] = None) -> Path:
     """Write ``plan`` to the directory ``path`` (see the module docstring); returns its path.
@@ -571,8 +592,10 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
       them run.py needs ``--synthetic`` (random inputs of the planned shapes) or ``--inputs``.
     - ``weights``: None exports the model's parameters and buffers to ``weights.pt``; a path
       names a checkpoint (a state dict by parameter FQN, loadable with ``weights_only=True``,
-      a ``.safetensors`` file or a Hugging Face ``save_pretrained`` directory) that run.py
-      slices instead (buffers it lacks are still exported). A model on the meta
+      a ``.safetensors`` file, a Hugging Face ``save_pretrained`` directory, a DCP checkpoint
+      or ``--ckpt`` directory, or another export's directory: its ``weights.pt``) that run.py
+      slices instead: no weights are written (buffers it lacks go to ``buffers.pt``), and
+      plan.json records SRC relative to the export. A model on the meta
       device writes no weights: its non-persistent buffers are recomputed on the CPU
       (:mod:`autoshard.passes.buffers`) into ``buffers.pt``, and parameters and persistent
       buffers come from ``weights`` or ``run.py --weights SRC``.
@@ -583,7 +606,8 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
       cannot be recomputed (their owner keeps no constructor arguments); shape and dtype checked.
     - ``reference``: save the unsharded model's outputs, gradients and ``reference_steps``
       AdamW(lr) losses for ``run.py --check``; default: when inputs are given and the model is
-      real and under 2 GiB.
+      real and its state within ``check_budget`` bytes (default 2 GiB). Beyond it, ``Plan.export``
+      checks the plan one distinct block at a time instead (``autoshard/block_check.py``).
     - ``overwrite``: replace an existing directory; otherwise a non-empty ``path`` is an error.
     """
     path = Path(path)
@@ -599,7 +623,7 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         flat_user, has_inputs, args, kwargs = None, False, None, None  # shapes only; nothing to save
         why_no_inputs = ("the plan's example inputs are on the meta device (shapes only); pass real ones: "
                          "plan.export(path, args)")
-    checkpoint = None
+    checkpoint, has = None, set()
     if weights is not None:
         checkpoint = Path(weights).resolve()
         if not checkpoint.exists():
@@ -607,11 +631,12 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
     elif weights_prefix:
         raise ExportError("weights_prefix applies to weights=SRC (the checkpoint whose keys it prefixes)")
     if reference is None:
-        reference = has_inputs and not meta_model and _state_bytes(plan) <= REFERENCE_LIMIT_BYTES
+        reference = has_inputs and not meta_model and _state_bytes(plan) <= check_budget
     why_no_reference = None if reference else (
         "the model is on the meta device: references need a model with real weights" if meta_model else
         why_no_inputs if not has_inputs else
-        "the model is over 2 GiB (references skipped)" if _state_bytes(plan) > REFERENCE_LIMIT_BYTES else
+        f"the model's state is over the check budget of {check_budget / 2 ** 30:.3g} GiB (references skipped)"
+        if _state_bytes(plan) > check_budget else
         "the export was made with reference=False")
     if reference and (not has_inputs or meta_model):
         raise ExportError("references need example inputs and a model with real weights")
@@ -624,7 +649,7 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
                           "has its own")
     if checkpoint is not None:
         needed = {m["target"] for m in inputs_meta if m["kind"] == "buffer"} - set(exported) if meta_model else set()
-        missing, fix = _check_checkpoint(checkpoint, plan, inputs_meta, needed, weights_prefix)
+        missing, fix, has = _check_checkpoint(checkpoint, plan, inputs_meta, needed, weights_prefix)
         if missing:
             raise ExportError(f"checkpoint {checkpoint} has no tensor for {len(missing)} parameter(s), e.g. "
                               f"{missing[:3]} (hint: {fix or KEYS_HINT})")
@@ -635,6 +660,9 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         inputs_meta = XP.step_inputs(plan, inputs_meta)
     else:
         sources = {PROGRAM: generate_program(plan, inputs_meta)}
+        acc = LC.loss_accumulation(plan.program, plan.captured.inputs, plan.loss_index())  # run.py --grad-accum
+        if acc.normalizer is not None:
+            sources[LC.NORMALIZER] = generate_module(acc.normalizer, plan.mesh, inputs_meta, LC.NORMALIZER_HEADER)
     for name, src in sources.items():
         compile(src, str(path / name), "exec")  # a codegen bug fails here, not under torchrun
 
@@ -644,19 +672,23 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
         for name, src in sources.items():
             (tmp / name).write_text(src)
         (tmp / RUNNER).write_text(run_py_source())  # a launcher: the runner is the installed core
+        own = None  # with weights=SRC, the export holds itself: what SRC lacks
         if meta_model:
+            own = exported
             torch.save(exported, tmp / BUFFERS)
         else:
             state = {}
             for m in inputs_meta:
-                if m["kind"] == "user" or m.get("role") == "full":
-                    continue
-                if checkpoint is not None and m["kind"] == "parameter":
+                if m["kind"] == "user" or m.get("role") == "full" or m["target"] in has:
                     continue
                 t = plan.captured.state[m["target"]]
                 if isinstance(t, torch.Tensor):
                     state[m["target"]] = t.detach().contiguous()
-            torch.save(state, tmp / WEIGHTS)
+            if checkpoint is None:
+                torch.save(state, tmp / WEIGHTS)
+            elif state:  # the non-persistent buffers, in no checkpoint
+                own = state
+                torch.save(state, tmp / BUFFERS)
         if has_inputs:
             torch.save({"inputs": [t.detach() if isinstance(t, torch.Tensor) else t for t in flat_user]},
                        tmp / INPUTS)
@@ -666,15 +698,17 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
             torch.save(ref, tmp / REFERENCE)
             ref_meta = {"file": REFERENCE, "grads": bool(ref["grads"]), "optimizer": "adamw", "lr": lr,
                         "steps": len(ref["losses"])}
-        doc = plan_json(plan, inputs_meta, weights_file=None if meta_model else WEIGHTS,
-                        checkpoint=str(checkpoint) if checkpoint else None, has_inputs=has_inputs,
-                        reference=ref_meta, buffers_file=BUFFERS if meta_model else None)
+        doc = plan_json(plan, inputs_meta, weights_file=None if meta_model or checkpoint else WEIGHTS,
+                        checkpoint=recorded_source(checkpoint, path) if checkpoint else None,
+                        has_inputs=has_inputs, reference=ref_meta, buffers_file=BUFFERS if meta_model or own else None)
         if weights_prefix:
             doc["weights"]["prefix"] = weights_prefix
         doc["missing"] = {"inputs": None if has_inputs else why_no_inputs, "reference": why_no_reference,
                           "weights": WHY_NO_WEIGHTS if meta_model else None}
         if pipelined:
             doc.update(program=None, pipeline=XP.pipeline_json(plan))
+        else:
+            doc["accumulation"] = LC.accumulation_json(acc)
         (tmp / PLAN_JSON).write_text(json.dumps(doc, indent=1) + "\n")
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -762,8 +796,7 @@ def simulate_run(path, *argv: str) -> list:
     loop = R.prepare_training(path, doc, args)
     if not loop:
         raise ExportError("simulate_run runs the training loop: give --steps N and a loop option (--data, --ckpt, ...)")
-    user = None if loop.get("data") else R.load_inputs(path, doc, synthetic=args.synthetic, path=args.inputs,
-                                                        seed=args.seed)
+    user = None if loop.get("data") else R.load_step_inputs(path, doc, args)
     weights = R.open_weights(path, doc, args.weights, args.allow_partial, args.weights_prefix)
     lines: list = []
 

@@ -4,8 +4,8 @@ A forward ``all_reduce`` (the partial sums after a row-parallel linear, Megatron
 input first, so that the sum does not change a tensor something else may read. After a linear
 nothing does: the linear's result is read only by the sum, and a linear's backward reads its
 inputs, never its result. This pass marks such ``all_reduce`` nodes ``consume=True``; the
-runtime then sums into the input itself where the backend can (one 4 MiB copy and allocation
-fewer per sum on the benchmark's 2 x 512 model) and tells autograd it wrote into it
+runtime then sums into the input itself where the backend can (one copy and one allocation of
+the summed tensor fewer per sum) and tells autograd it wrote into it
 (``mark_dirty``), so a tensor autograd saved after all would fail loudly in backward, not
 silently. Values are the same sums bit for bit.
 

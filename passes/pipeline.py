@@ -46,7 +46,8 @@ from autoshard.runtime.execution.pipeline import BoundarySpec, StageSpec
 
 from .dims import module_of, source_line
 from .rules import _is_view, is_inplace
-from .spmd import Collective, LayoutError, requires_grad_nodes
+from .collective import Collective
+from .spmd import LayoutError, requires_grad_nodes
 
 aten = torch.ops.aten
 

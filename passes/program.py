@@ -23,7 +23,8 @@ from autoshard.passes import context_parallel as cp
 from . import vocab_parallel as vp
 from .manager import PassContext, run_program_passes
 from .experts import find_expert_regions, lowerings, owned_placements, regional_layout, stacked_placements
-from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
+from .collective import Collective
+from .spmd import LayoutError, input_placements, lazy_programs, rewrite
 from autoshard.passes.zero_units import group_units
 
 

@@ -170,6 +170,9 @@ def einsum(spec: str, summed: str = "", local: str = "", linear: tuple = (), add
                         local=frozenset(local.split()), linear=lin, additive=add)
 
     rule.__doc__ = f"einsum rule: {spec}"
+    # a product of two factors with a summed letter (a matrix product, 2mnk FLOPs): the
+    # positions of its factors, read by the op classes below
+    rule.factors = tuple(linear) if summed.split() and len(linear) == 2 else None
     return rule
 
 
@@ -210,6 +213,9 @@ def matmul_rule(node: fx.Node) -> Indexing:
     fix = lambda ls, shp: [None if n == 1 else l for l, n in zip(ls, shp)]
     return Indexing([((0,), fix(la, sa)), ((1,), fix(lb, sb))], [fix(bl + ["n", "o"], out_shape)],
                     summed=frozenset({"i"}), linear=(0, 1))
+
+
+matmul_rule.factors = (0, 1)
 
 
 def reduction(summed: bool, mean: bool = False, dim_arg: tuple = (1, "dim"), keepdim_arg: tuple = (2, "keepdim")):
@@ -910,6 +916,17 @@ RULES: dict[object, Callable[[fx.Node], Indexing]] = {
     aten._grouped_mm.default: grouped_matmul_rule,
     **{op: creation_rule for op in CREATION},
 }
+# Op classes, derived from the table (the cost model reads them, cost/model.py):
+# - views: ops whose rule regroups, moves, slices or broadcasts dims of one operand (its memory
+#   re-described: no FLOPs, no traffic), and the elementwise ops that only rename a tensor;
+# - matrix products: contractions of two factors over a summed letter, {op: index of the first
+#   factor among the op's arguments} (2mnk FLOPs; ``einsum`` and ``outer`` are not: an equation's
+#   FLOPs are not the product of its first factor's last dim).
+VIEW_RULES = (view_rule, permute_rule, unsqueeze_rule, expand_rule, slice_rule, select_rule, split_rule)
+ALIAS_OPS = (aten.alias.default, aten.detach.default)
+VIEW_OPS = frozenset(op for op, rule in RULES.items() if rule in VIEW_RULES) | frozenset(ALIAS_OPS)
+MATMUL_OPS = {op: rule.factors[0] for op, rule in RULES.items() if getattr(rule, "factors", None)}
+
 # Rules for ops of optional libraries, by qualified name (the op exists once the library loads).
 NAMED_RULES: dict[str, Callable[[fx.Node], Indexing]] = {
     "autoshard::grouped_mm": grouped_matmul_rule,

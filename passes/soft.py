@@ -11,7 +11,7 @@ adds, dropout: the token-wise regions) it splits the token rows. The rewrite
 - ``Shard(seq) -> Replicate`` before a column-parallel projection is an all-gather (its
   backward a reduce-scatter), done once per value however many projections read it;
 
-which is Megatron's sequence parallelism (seed 000), with no rule of its own.
+which is Megatron's sequence parallelism (Korthikanti et al., 2022), with no rule of its own.
 
 Which tensors a soft entry shards (the *region* rule, :func:`soft_dim`):
 
@@ -33,6 +33,11 @@ Hard entries keep their meaning and their errors. Example::
 from __future__ import annotations
 
 from typing import Optional
+
+from autoshard.ownership import R
+from autoshard.runtime.primitives import collectives as C
+
+from .conversions import register_change
 
 SOFT_MARK = "?"
 
@@ -128,3 +133,32 @@ def soft_feasible(info, tensors_dims, letter_dims, layout, axis: str) -> bool:
         return False
     found = {soft_unit(info, atoms, units) for atoms in letter_dims}
     return len(found) == 1 and None not in found
+
+
+# ---- the rewrite's gather of a soft-sharded activation (a hook of passes/conversions.py) ----------
+
+def soft_split(rw, src, out, dim, axis) -> bool:
+    """Whether ``src``'s ``dim`` is split on ``axis`` by a soft entry (not a hard one)."""
+    if not rw.layout.soft.get(axis):
+        return False
+    atoms = rw.info.of(src, out or 0)[dim]
+    return bool(atoms) and rw.unit_of(atoms, axis) is None and soft_unit(rw.info, atoms,
+                                                                         rw.layout.soft[axis]) is not None
+
+
+def _gather_once(step, node):
+    # A soft-sharded activation is gathered once for all its readers: varying ones (column-
+    # parallel projections) take it as is, replicated ones through replicated_use, so the one
+    # backward reduce-scatter sums every gradient once.
+    step.check_nesting(step.s.dim)
+    gathers = step.memo("soft_gathers")  # (local node, axis) -> its one gather
+    if (node, step.axis) not in gathers:
+        gathers[(node, step.axis)] = step.emit(C.all_gather_varying, node, (step.s.dim,), kwargs=step.undeferred())
+    node = gathers[(node, step.axis)]
+    if step.axis not in step.varying:
+        node = step.emit(C.replicated_use, node, s=R)
+    return node
+
+
+register_change("gather", "S", "R", handler=_gather_once, priority=20,
+                applies=lambda step: step.needs_grad and soft_split(step.rw, step.src, step.out, step.s.dim, step.axis))

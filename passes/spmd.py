@@ -15,7 +15,9 @@ Per op and per mesh axis, one of three modes (the op's rule says which letters a
 - replicate: every operand whole; Partial operands pass through ops linear in them.
 
 Conversions are emitted lazily at the consumer and cached per value, so a value read by q, k and
-v projections is converted once (one backward all-reduce, not three).
+v projections is converted once (one backward all-reduce, not three). Each conversion is a table
+of placement changes per axis (:mod:`autoshard.passes.conversions`); nodes that a pass lowers
+itself (``regions``) are written through :class:`autoshard.passes.lowering.Lowering`.
 
 Example::
 
@@ -36,45 +38,29 @@ from torch import fx
 # GraphModules that generate their Python code on first run or print
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
+from autoshard.ownership import P, R, Partial, Shard, local_shape
 from autoshard.runtime.primitives import collectives as C
-from autoshard.runtime.primitives.ring_attention import zigzag_permute
 
+from . import conversions
+from .collective import Collective
 from .dims import DimInfo, module_of, source_line
 from .export_errors import CaptureError
+from .grad_sync import GradSync
+from .layout_error import LayoutError
+from .lowering import Lowering
+from .reasons import explain
 from .regions import no_grad_node
-from .grad_regions import bucketable_region, drop_marks, sum_regions_in_storage, use_kind
-from .soft import SoftLayoutError, soft_dim, soft_feasible, soft_unit, split_soft
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
                     get_path, is_inplace, is_tensor_node, shape_of)
+from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
+from .zero_storage import ZeroStorage
+from .zigzag import zigzag_dim
 
 aten = torch.ops.aten
 
 
-class LayoutError(ValueError):
-    """An impossible or inconsistent layout: unknown names, indivisible sizes, one mesh axis on
-    two dims of one tensor."""
-
-
 class UnsupportedOpWarning(UserWarning):
     """An op without a sharding rule runs replicated (exact, but gathers its inputs)."""
-
-
-@dataclass
-class Collective:
-    """One collective in the plan: what moves, where, and why."""
-
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send | recv
-    axes: tuple
-    bytes: int  # payload of this rank's input buffer
-    phase: str  # forward | backward | optimizer
-    where: str  # module FQN of the op that needs the conversion
-    why: str
-    node: str = ""  # the value converted
-    line: str = ""  # source line of the consumer
-    tag: int = -1  # links runtime trace records to this entry
-    op: str = ""  # runtime function inserted in the forward program
-    params: tuple = ()  # parameters a grouped collective carries (ZeRO-3 units, gradient buckets)
 
 
 # The name of a Mixture-of-Experts layer's experts dim (passes/experts.py names it when the user
@@ -215,25 +201,15 @@ class _Rewriter:
                  storage: dict, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
                  collectives_only: bool = False, region_axis=None,
                  user_inputs=(), data_axes=()):
-        # Nodes whose program another pass writes ({node: visitor(rewriter, node)}, e.g. the
-        # MoE regions of passes/experts.py), and inputs placed by such a pass ({name: placement}).
+        # Nodes whose program another pass writes ({node: visitor(lowering, node)}, with the
+        # passes/lowering.Lowering of this rewrite; e.g. the MoE regions of passes/experts.py),
+        # and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
         self.fixed = fixed or {}
         self.display = display  # placeholder name -> parameter FQN / argument name, for messages
-        self.storage = storage  # placeholder name -> ParamStorage (state sharding on a data axis)
-        self.full_copies: dict = {}  # placeholder name -> its persistent full copy's placeholder
-        self.reshard_tags: set = set()
-        # Data-parallel gradient sync by buckets: parameters whose every use is per-rank work on
-        # the data axis lose their mark_varying there; GradBuckets sums their gradients instead.
-        self.bucket_axis = bucket_axis
-        self.bucket_uses: dict = {name: set() for name in (bucket_candidates or ())}
-        # Replicated regions computed from parameters (passes/grad_regions.py) send their
-        # gradient sum on this data axis to the parameters: into the buckets, or into the
-        # reduce-scatters of sharded state (ZeRO-2/3) when there are no buckets.
-        self.region_axis = bucket_axis if bucket_axis is not None else region_axis
-        self.bucket_marks: dict = {}  # value name -> its mark_varying nodes on that axis
-        self.grad_uses: dict = {}  # gradient-carrying node -> [(reader, kind on that axis)] (grad_regions)
-        self.stored_reads: dict = {}  # stored parameter -> the nodes of its reads by replicated work
+        self.zero = ZeroStorage(storage)  # sharded parameter state (ZeRO-2/3): passes/zero_storage.py
+        # data-parallel gradient sync (buckets, region sums): passes/grad_sync.py
+        self.grad_sync = GradSync(bucket_axis, bucket_candidates, region_axis)
         self.g0, self.info, self.layout, self.mesh = graph, info, layout, mesh
         self.axes = mesh.names
         self.rg = requires_grad
@@ -253,9 +229,10 @@ class _Rewriter:
         self.fallbacks: list = []
         self.partial_why: dict = {}  # (node, axis) -> why the value is a pending sum
         self.joined: set = set()  # (node, axis): pending sums of branches joined with a whole operand
-        self.soft_gathers: dict = {}  # (local node, axis) -> its one gather (soft entries)
+        self.hook_state: dict = {}  # per-rewrite state of placement-change hooks (conversions.Step.memo)
         self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
-        self.tag = 0
+        self.tag = 0  # the next collective tag (new_tags)
+        self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
         self.unit_memo: dict = {}  # (leaves, axis, soft) -> unit (the layout is fixed for one rewrite)
 
     # ------------------------------------------------------------------ layout queries
@@ -306,173 +283,30 @@ class _Rewriter:
 
     # ------------------------------------------------------------------ conversions
     def convert(self, src: fx.Node, out: int, target: tuple, varying: set, consumer: fx.Node, reason):
-        """Local node holding ``src`` (output ``out``) with placement ``target``; ``varying``:
-        axes on which the consumer's work differs per rank (so gradients must be summed).
-        ``reason``: why the consumer needs it so, or a function wording it (called only when a
-        conversion is emitted)."""
-        cur = self.place[src][out]
-        for o, t, a in zip(cur, target, self.axes):
-            if isinstance(o, Owned) and o != t:
-                raise LayoutError(f"{self.display.get(src.name, src.name)} exists only on index {o.index} of mesh axis "
-                                  f"{a!r} (one expert), but {self.where(consumer)} reads it outside its MoE layer")
-        node = self.local[src] if out is None or not isinstance(self.local[src], list) else self.local[src][out]
-        needs_grad = src in self.rg
-        varying = frozenset(varying) if needs_grad else frozenset()
-        if src.name in self.bucket_uses:
-            self.bucket_uses[src.name].add(self.bucket_axis in varying)
-        if needs_grad and self.region_axis is not None:
-            i, a = self.axes.index(self.region_axis), self.region_axis
-            st = self.storage.get(src.name)
-            # a parameter stored sharded on the axis is read from its gathered (or full) copy
-            whole = R if st is not None and st.axis == a else cur[i]
-            self.grad_uses.setdefault(src, []).append((consumer, use_kind(whole, target[i], a in varying)))
-        key = (src, out, target, varying)
-        if key in self.cache:
-            return self.cache[key]
-        # Gathers and reductions first, innermost axis first; then slices, outermost first.
-        order = list(reversed(range(len(self.axes)))) + list(range(len(self.axes)))
-        if src.name in self.full_copies:
-            # ZeRO-2's full copy is held in the use placement (other axes' shards kept): read it
-            # first, then gather the other axes from it, not from the stored piece.
-            order.remove(self.axes.index(self.storage[src.name].axis))
-            order.insert(0, self.axes.index(self.storage[src.name].axis))
-        state = list(cur)
-        for phase_ix, i in enumerate(order):
-            gathering = phase_ix < len(self.axes)
-            a = self.axes[i]
-            s, t = state[i], target[i]
-            if gathering:
-                if isinstance(s, Partial) and isinstance(t, Replicate):
-                    if (node, a) not in self.all_reduced:
-                        self.all_reduced[(node, a)] = self.emit(C.all_reduce, node, a, (), src, consumer, reason, s, t)
-                    node = self.all_reduced[(node, a)]
-                    self.summed.add((src, a))
-                elif isinstance(s, Partial) and isinstance(t, Shard):
-                    self.check_nesting(state, a, t.dim, src, consumer)
-                    node = self.reorder(node, src, out, a, t.dim, False)
-                    node = self.emit(C.reduce_scatter, node, a, (t.dim,), src, consumer, reason, s, t)
-                elif isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim:
-                    self.check_nesting(state, a, s.dim, src, consumer)
-                    self.check_nesting(state, a, t.dim, src, consumer)
-                    node = self.reorder(node, src, out, a, t.dim, False)
-                    node = self.emit(C.all_to_all, node, a, (t.dim, s.dim), src, consumer, reason, s, t)
-                    node = self.reorder(node, src, out, a, s.dim, True)
-                elif (isinstance(s, Shard) and src.name in self.full_copies and isinstance(t, Replicate)
-                      and a == self.storage[src.name].axis):
-                    # ZeRO-2: read the full copy gathered after the last optimizer step.
-                    node = self.emit(C.use_persistent, node, a, (s.dim,), src, consumer, reason, s, t,
-                                     extra_inputs=(self.full_copies[src.name],))
-                    if needs_grad and a not in varying:
-                        # Read by replicated work, the gradient comes back whole on every rank:
-                        # the reduce-scatter must add it once, not once per rank.
-                        node = self.emit(C.replicated_use, node, a, (), src, consumer, reason, R, t)
-                        self.stored_reads.setdefault(src.name, []).append(node)
-                elif (isinstance(s, Shard) and isinstance(t, Replicate) and needs_grad
-                      and self.soft_split(src, out, s.dim, a)):
-                    # A soft-sharded activation is gathered once for all its readers: varying
-                    # ones (column-parallel projections) take it as is, replicated ones through
-                    # replicated_use, so the one backward reduce-scatter sums every gradient once.
-                    self.check_nesting(state, a, s.dim, src, consumer)
-                    if (node, a) not in self.soft_gathers:
-                        self.soft_gathers[(node, a)] = self.emit(C.all_gather_varying, node, a, (s.dim,), src,
-                                                                 consumer, reason, s, t, kwargs=self.undeferred(src, a))
-                    node = self.soft_gathers[(node, a)]
-                    if a not in varying:
-                        node = self.emit(C.replicated_use, node, a, (), src, consumer, reason, R, t)
-                elif isinstance(s, Shard) and not isinstance(t, Shard):
-                    self.check_nesting(state, a, s.dim, src, consumer)
-                    fn = C.all_gather_varying if a in varying and isinstance(t, Replicate) else C.all_gather
-                    node = self.emit(fn, node, a, (s.dim,), src, consumer, reason, s, t,
-                                     kwargs=self.undeferred(src, a) if fn is C.all_gather_varying else None)
-                    st = self.storage.get(src.name)
-                    if fn is C.all_gather and needs_grad and st is not None and a == st.axis:
-                        self.stored_reads.setdefault(src.name, []).append(node)
-                    node = self.reorder(node, src, out, a, s.dim, True)
-                    if st is not None and st.reshard and a == st.axis:
-                        self.reshard_tags.add(node.meta["autoshard"]["tag"])
-                    if isinstance(t, Partial):
-                        node = self.emit(C.to_partial, node, a, (), src, consumer, reason, R, t)
-                else:
-                    continue
-                state[i] = t
-            else:
-                if isinstance(s, Replicate) and isinstance(t, Shard):
-                    self.check_nesting(state, a, t.dim, src, consumer)
-                    node = self.reorder(node, src, out, a, t.dim, False)
-                    node = self.emit(C.shard_slice, node, a, (t.dim,), src, consumer, reason, s, t)
-                elif isinstance(s, Replicate) and isinstance(t, Partial):
-                    node = self.emit(C.to_partial, node, a, (), src, consumer, reason, s, t)
-                state[i] = t
-        for i, a in enumerate(self.axes):
-            # A whole value read by per-rank work: identity forward, gradient sum backward.
-            if a in varying and isinstance(target[i], Replicate):
-                already = isinstance(cur[i], Shard)  # all_gather_varying did it
-                if not already:
-                    node = self.emit(C.mark_varying, node, a, (), src, consumer, reason, R, R,
-                                     kwargs=self.undeferred(src, a))
-        self.cache[key] = node
-        return node
-
-    def reorder(self, node, src, out, axis, dim, inverse):
-        """Under zigzag context parallelism, a whole sequence dim is reordered before it is
-        split on ``axis`` and after it is gathered (blocks are chunks i and 2R-1-i)."""
-        order = self.layout.orders.get(axis)
-        if order is None or order[1] != "zigzag" or self.unit_of(self.info.of(src, out or 0)[dim], axis) != order[0]:
-            return node
-        new = self.g.call_function(zigzag_permute, (node, dim, self.mesh.axes[axis], inverse))
-        val = self.local_val(node)
-        if val is not None:
-            new.meta["val"] = val
-        return new
-
-    def zigzag_dim(self, node, place, axis_ix) -> bool:
-        """A value split along a zigzag-ordered sequence on that axis (gathered before it leaves)."""
-        a = self.axes[axis_ix]
-        order = self.layout.orders.get(a)
-        o = place[axis_ix]
-        return (order is not None and order[1] == "zigzag" and isinstance(o, Shard)
-                and self.unit_of(self.info.of(node)[o.dim], a) == order[0])
-    def soft_split(self, src, out, dim, axis) -> bool:
-        """Whether ``src``'s ``dim`` is split on ``axis`` by a soft entry."""
-        if not self.layout.soft.get(axis):
-            return False
-        atoms = self.info.of(src, out or 0)[dim]
-        return bool(atoms) and self.unit_of(atoms, axis) is None and soft_unit(
-            self.info, atoms, self.layout.soft[axis]) is not None
-
-    def check_nesting(self, state, axis, dim, src, consumer):
-        """Axes sharding one dim nest in mesh order; only the innermost may change alone."""
-        inner = [a for o, a in zip(state, self.axes) if isinstance(o, Shard) and o.dim == dim]
-        later = [a for a in inner if self.axes.index(a) > self.axes.index(axis)]
-        if later:
-            raise LayoutError(
-                f"dim {dim} of {src.name} is split on axes {inner}; changing its ownership on {axis!r} alone "
-                f"would reorder blocks (needed by {self.where(consumer)}); list the mesh axes of a dim in "
-                f"mesh order {list(self.axes)} and keep them together")
-
-    def undeferred(self, src, axis):
-        """``defer=False`` for a gradient sum on a data axis of a value computed from the batch:
-        gradient accumulation must send it in its own microbatch (see ``runtime.collectives``)."""
-        return {"defer": False} if axis in self.data_axes and src in self.from_user else None
+        """Local node holding ``src`` (output ``out``) with placement ``target``: the placement-
+        change table of :mod:`autoshard.passes.conversions`."""
+        return conversions.convert(self, src, out, target, varying, consumer, reason)
 
     def emit(self, fn, node, axis, extra, src, consumer, reason, s, t, extra_inputs=(), kwargs=None):
+        """Add collective ``fn`` (``runtime.collectives``) of ``node`` (a value of ``src``) on
+        ``axis``, changing ``s`` into ``t`` for ``consumer``; record it (and, when ``src`` carries
+        a gradient, its adjoint) in the plan with its reason."""
         if callable(reason):
             reason = reason()
-        tag = self.tag
-        self.tag += 1
+        tag = self.new_tags(1)
         new = self.g.call_function(fn, (node, *extra_inputs, axis, *extra), {"tag": tag, **(kwargs or {})})
         val = self.local_val(node)
         nbytes = 0
         if val is not None:
             nbytes = val.numel() * val.element_size()
         if val is not None:
-            new.meta["val"] = self.converted_val(val, fn.__name__, axis, extra)
+            new.meta["val"] = conversions.converted_val(self.mesh, val, fn.__name__, axis, extra)
         new.meta["autoshard"] = {"where": module_of(consumer), "why": reason, "tag": tag, "grad": src in self.rg}
-        if fn is C.mark_varying and axis == self.region_axis:
-            self.bucket_marks.setdefault(src.name, []).append(new)
+        if fn is C.mark_varying:
+            self.grad_sync.note_mark(src, axis, new)
         fwd, bwd = C.ADJOINTS[fn.__name__]
         where, line = module_of(consumer), source_line(consumer)
-        why = self.explain(fn.__name__, src, consumer, axis, s, t, reason)
+        why = explain(self, fn.__name__, src, consumer, axis, s, t, reason)
         new.meta["autoshard"]["why"] = why
         if fwd in C.COMM_KINDS:
             self.collectives.append(Collective(fwd, (axis,), nbytes, "forward", where, why, src.name, line, tag, fn.__name__))
@@ -483,48 +317,15 @@ class _Rewriter:
                                                src.name, line, tag, fn.__name__))
         return new
 
-    def explain(self, fn, src, consumer, axis, s, t, reason) -> str:
-        op = getattr(consumer.target, "__name__", str(consumer.target)).split(".")[0]
-        name = self.display.get(src.name, src.name)
-        if fn == "all_reduce":
-            return f"{self.partial_why.get((src, axis), name + ' is a partial sum')}; {op} needs it whole"
-        if fn == "mark_varying":
-            return f"replicated {name} feeds per-rank work on {axis} in {op}: backward sums its gradient"
-        if fn == "replicated_use":
-            kept = "kept whole (ZeRO-2)" if src.name in self.full_copies else "gathered"
-            return (f"{kept} {name} is also read whole by {op} on {axis}: rank 0 carries its gradient into the "
-                    f"reduce-scatter, which would otherwise add that whole gradient once per rank")
-        st = self.storage.get(src.name)
-        if st is not None and axis == st.axis and fn in ("all_gather", "all_gather_varying", "use_persistent"):
-            when = {"use_persistent": "kept whole since the last optimizer step",
-                    "all_gather_varying": "gathered for use" + (", released after forward" if st.reshard else
-                                                                 ", kept through backward")}.get(fn, "gathered")
-            return f"parameter {name} is stored sharded on {axis} (ZeRO-{st.stage}), {when}; {op} needs it whole"
-        if fn in ("all_gather", "all_gather_varying"):
-            return f"{name} is sharded on {axis} but {op} needs that dim whole ({reason})"
-        if fn == "reduce_scatter":
-            return f"{self.partial_why.get((src, axis), name + ' is a partial sum')}; {op} needs it sharded ({reason})"
-        if fn == "all_to_all":
-            return f"{name} changes its sharded dim on {axis} from {s} to {t} for {op} ({reason})"
-        if fn == "shard_slice":
-            return f"{op} works on a block of {name} on {axis} ({reason})"
-        return f"{name} becomes a pending sum on {axis} for {op} ({reason})"
+    def new_tags(self, n: int) -> int:
+        """Reserve ``n`` consecutive collective tags; returns the first."""
+        first = self.tag
+        self.tag += n
+        return first
 
     def local_val(self, node):
         v = node.meta.get("val")
         return v if isinstance(v, torch.Tensor) else None
-
-    def converted_val(self, val, fn, axis, extra):
-        R_ = self.mesh.axes[axis]
-        shape = list(val.shape)
-        if fn in ("all_gather", "all_gather_varying", "use_persistent"):
-            shape[extra[0]] *= R_
-        elif fn in ("reduce_scatter", "shard_slice"):
-            shape[extra[0]] //= R_
-        elif fn == "all_to_all":
-            shape[extra[0]] //= R_
-            shape[extra[1]] *= R_
-        return torch.empty(shape, dtype=val.dtype, device="meta")
 
     # ------------------------------------------------------------------ ops
     def run(self) -> Program:
@@ -539,15 +340,12 @@ class _Rewriter:
                 index = len(input_places)
                 placeholders.append((node.name, "input", index))
                 if is_tensor_node(node):
-                    st = self.storage.get(node.name)
+                    st = self.zero.storage.get(node.name)
                     use_places[node.name] = self.fixed.get(node.name) or self.desired(node)
                     self.place[node] = [st.placement if st else use_places[node.name]]
                     new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
                     if st is not None and st.mode == "persistent":
-                        full = self.g.placeholder(node.name + "_full")
-                        full.meta = dict(node.meta, val=self.meta_local(node.meta["val"], self.desired(node)))
-                        self.full_copies[node.name] = full
-                        placeholders.append((full.name, "full", index))
+                        self.zero.add_full_copy(self, node, index, placeholders)
                 else:
                     self.place[node] = [tuple(R for _ in self.axes)]
                 input_places.append(self.place[node][0])
@@ -561,7 +359,7 @@ class _Rewriter:
                         # A pending sum is finished before it leaves: every rank returns the
                         # value (sharded outputs stay sharded; the caller assembles them).
                         # A zigzag-ordered sequence is gathered in natural order.
-                        place = tuple(R if isinstance(p_, Partial) or self.zigzag_dim(o, self.place[o][0], i) else p_
+                        place = tuple(R if isinstance(p_, Partial) or zigzag_dim(self, o, self.place[o][0], i) else p_
                                       for i, p_ in enumerate(self.place[o][0]))
                         outs.append(self.convert(o, 0, place, set(), node, "the program returns it"))
                         out_places.append(place)
@@ -574,40 +372,21 @@ class _Rewriter:
                 # inlines or refuses the submodules of higher-order ops)
                 raise CaptureError(f"the rewriter cannot run a {node.op} node: {self.where(node)} (capture "
                                    f"inlines or refuses the submodules of higher-order ops; this one it left)")
-        bucketed = self.take_bucketed()
-        if self.bucket_axis is None and self.region_axis is not None and self.stored_reads:
-            self.collectives = sum_regions_in_storage(
-                self.g0, self.g, self.rg, self.place, self.grad_uses, self.region_axis, self.axes, self.storage,
-                self.stored_reads, self.bucket_marks, self.collectives)
+        bucketed = self.grad_sync.take_bucketed(self)
+        self.grad_sync.sum_in_storage(self)
+        zero = self.zero
         # (inside lazy_programs() the Python code is generated only if the program is run or printed)
         gm = None if isinstance(self.g, _CollectivesOnly) else _make_graph_module(torch.nn.Module(), self.g)
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
-                       self.collectives, self.fallbacks, placeholders, frozenset(self.reshard_tags),
-                       dict(self.storage), use_places, bucketed)
-
-    def take_bucketed(self) -> list:
-        """Drop the data-axis mark_varying of parameters used only by per-rank work there, and
-        of replicated regions computed from parameters alone (passes/grad_regions.py); the
-        parameters are synchronized by gradient buckets. Returns them in the order their
-        gradients become ready (reverse order of first use)."""
-        first_use = {}
-        for i, node in enumerate(self.g0.nodes):
-            for a in node.all_input_nodes:
-                first_use.setdefault(a.name, i)
-        names = [n for n, uses in self.bucket_uses.items() if uses == {True} and n in self.bucket_marks]
-        region = bucketable_region(self.g0, self.rg, self.place, self.grad_uses, self.axes.index(self.bucket_axis),
-                                   self.bucket_uses) if self.bucket_axis is not None else set()
-        names += [n for n in self.bucket_uses if n in region and n not in names]
-        dropped = drop_marks(sorted(set(names) | region), self.bucket_marks, self.g)
-        self.collectives = [c for c in self.collectives if c.tag not in dropped]
-        return sorted(names, key=lambda n: -first_use.get(n, 0))
+                       self.collectives, self.fallbacks, placeholders, frozenset(zero.reshard_tags),
+                       dict(zero.storage), use_places, bucketed)
 
     def meta_local(self, val, place):
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
 
     def visit(self, node: fx.Node):
         if node in self.regions:
-            return self.regions[node](self, node)
+            return self.regions[node](self.lowering, node)
         self.visit_op(node)
         src = node.args[0] if node.args else None
         if isinstance(src, fx.Node) and _is_view(node) and (

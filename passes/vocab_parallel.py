@@ -30,7 +30,6 @@ from autoshard.runtime.primitives.vocab_parallel import vocab_parallel_cross_ent
 
 from .dims import module_of, source_line
 from .rules import arg, shape_of
-from .spmd import Collective
 
 aten = torch.ops.aten
 CE = aten.cross_entropy_loss.default
@@ -54,28 +53,29 @@ def lowerings(graph: fx.Graph) -> dict:
     return {node: _visit for node in graph.nodes if eligible(node)}
 
 
-def _vocab_axis(rw, node):
+def _vocab_axis(lw, node):
     """The one axis that splits the logits' class dim, or None (whole, split on several axes,
     a pending sum, a reordered axis: the rule's gather handles those)."""
-    place = rw.place[node.args[0]][0]
+    place = lw.placement(node.args[0])
     if any(isinstance(o, Partial) for o in place):
         return None
-    split = [a for o, a in zip(place, rw.axes) if isinstance(o, Shard) and o.dim == 1]
-    if len(split) != 1 or split[0] in getattr(rw.layout, "orders", {}):
+    split = [a for o, a in zip(place, lw.axes) if isinstance(o, Shard) and o.dim == 1]
+    if len(split) != 1 or split[0] in getattr(lw.layout, "orders", {}):
         return None
     return split[0]
 
 
-def _visit(rw, node: fx.Node):
-    ix = rw.info.indexing[node]
-    axis = _vocab_axis(rw, node)
+def _visit(lw, node: fx.Node):
+    """Lower one eligible cross-entropy node (``lw``: the rewrite's :class:`~.lowering.Lowering`)."""
+    ix = lw.info.indexing[node]
+    axis = _vocab_axis(lw, node)
     if axis is None:
-        return rw.visit_einsum(node, ix)
+        return lw.visit_rule(node)
     x, target = node.args[0], node.args[1]
-    modes = rw.choose_modes(node, ix)
+    modes = lw.choose_modes(node, ix)
     rows = ix.inputs[0][1][0]  # the rows' letter: the one other axes may split
     x_place, t_place, out_place, varying = [], [], [], {axis}
-    for (kind, letter), a in zip(modes, rw.axes):
+    for (kind, letter), a in zip(modes, lw.axes):
         if a == axis:
             x_place.append(Shard(1)), t_place.append(R), out_place.append(R)
         elif kind == "shard" and letter == rows and letter is not None:
@@ -83,29 +83,26 @@ def _visit(rw, node: fx.Node):
             x_place.append(Shard(0)), t_place.append(Shard(0)), out_place.append(Shard(0))
         else:
             x_place.append(R), t_place.append(R), out_place.append(R)
-    n = rw.mesh.axes[axis]
-    reason = f"{rw.dim_label(x, 0, 1)} sharded on {axis} (vocab-parallel cross-entropy)"
-    lx = rw.convert(x, 0, tuple(x_place), varying, node, reason)
-    lt = rw.convert(target, 0, tuple(t_place), varying, node, reason)
-    tag = rw.tag
-    rw.tag += 2  # the max gather and the sum
+    n = lw.mesh.axes[axis]
+    reason = f"{lw.dim_label(x, 0, 1)} sharded on {axis} (vocab-parallel cross-entropy)"
+    lx = lw.convert(x, x_place, varying, node, reason)
+    lt = lw.convert(target, t_place, varying, node, reason)
+    tag = lw.new_tags(2)  # the max gather and the sum
     ignore = arg(node, 4, "ignore_index", -100)
-    new = rw.g.call_function(vocab_parallel_cross_entropy, (lx, lt, axis, ignore), {"tag": tag})
-    new.meta = {k: v for k, v in node.meta.items() if k != "val"}
     place = tuple(out_place)
-    new.meta["val"] = rw.meta_local(node.meta["val"], place)
+    new = lw.call(vocab_parallel_cross_entropy, (lx, lt, axis, ignore), {"tag": tag}, like=node, place=place)
     rows_local = shape_of(lx)[0] if shape_of(lx) else 0
     es = x.meta["val"].element_size()
-    where, line = module_of(node), source_line(node)
-    vocab = rw.dim_label(x, 0, 1)
+    vocab = lw.dim_label(x, 0, 1)
     why_max = (f"cross-entropy over logits split by {vocab} on {axis} ({n} ranks): the row maxima are gathered "
                f"instead of the logits")
     why_sum = (f"cross-entropy over logits split by {vocab} on {axis}: each rank's sum of exp and target logit, "
                f"summed (backward: none, each rank keeps its columns' gradient)")
-    rw.collectives.append(Collective("all_gather", (axis,), rows_local * es, "forward", where, why_max, x.name,
-                                     line, tag, vocab_parallel_cross_entropy.__name__))
-    rw.collectives.append(Collective("all_reduce", (axis,), 2 * rows_local * es, "forward", where, why_sum, x.name,
-                                     line, tag + 1, vocab_parallel_cross_entropy.__name__))
-    new.meta["autoshard"] = {"where": where, "why": why_sum, "tag": tag, "vocab_parallel": axis}
-    rw.local[node] = new
-    rw.place[node] = [place]
+    op = vocab_parallel_cross_entropy.__name__
+    # the logits' name, at the cross-entropy's module and line
+    lw.record("all_gather", axis, nbytes=rows_local * es, phase="forward", node=x, where=module_of(node),
+              line=source_line(node), tag=tag, op=op, why=why_max)
+    lw.record("all_reduce", axis, nbytes=2 * rows_local * es, phase="forward", node=x, where=module_of(node),
+              line=source_line(node), tag=tag + 1, op=op, why=why_sum)
+    new.meta["autoshard"] = {"where": module_of(node), "why": why_sum, "tag": tag, "vocab_parallel": axis}
+    lw.bind(node, new, place)

@@ -32,7 +32,7 @@ import re
 
 from autoshard.runtime.primitives import collectives as C
 
-from autoshard.passes.spmd import Collective
+from .collective import Collective
 
 POLICIES = ("block", "model", "param")
 

@@ -1,5 +1,5 @@
 """Op audit: capture every architecture the installed ``transformers`` builds from a config at
-test size, plus the plain-PyTorch models of ``tests/plain_models.py``, and list every aten op
+test size, plus the plain-PyTorch models of ``tests/helpers/plain_models.py``, and list every aten op
 that has no sharding rule (``autoshard.passes.rules.rule_for``), by count.
 
 An op without a rule runs replicated (its sharded inputs gathered whole; ``strict=True``
@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)  # tests.helpers.plain_models
 
 # Sizes set on every config (and sub-config) that has the attribute: 2 layers, hidden 32, 4 heads.
 TINY = dict(
@@ -158,7 +158,7 @@ def hf_models(names, seconds):
 
 
 def plain_models():
-    import plain_models as pm
+    from tests.helpers import plain_models as pm
     for name, build in (("plain gpt", pm.gpt), ("plain mha_encoder", pm.mha_encoder), ("plain cnn", pm.cnn),
                         ("plain cnn (train)", lambda: pm.cnn(train=True))):
         model, args, _ = build()
@@ -174,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=int, default=30, help="time cap per model (build, run, capture)")
     ap.add_argument("--skipped", action="store_true", help="also list the models skipped, with the reason")
     ap.add_argument("--start", default="", help="begin at this model type (alphabetical order), to resume")
-    ap.add_argument("--no-plain", action="store_true", help="leave out tests/plain_models.py")
+    ap.add_argument("--no-plain", action="store_true", help="leave out tests/helpers/plain_models.py")
     opts = ap.parse_args(argv)
     signal.signal(signal.SIGALRM, _alarm)
     warnings.filterwarnings("ignore")

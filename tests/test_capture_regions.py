@@ -1,5 +1,5 @@
 """Regions of forward that torch.export keeps as higher-order ops, and losses training cannot
-seed (issue 29, items 2 and 3).
+seed (a loss that is not a scalar).
 
 - ``torch.no_grad()`` / ``torch.set_grad_enabled(False)`` blocks (a router's top-k choice, as
   MoE code writes it) are inlined at capture; what they compute carries no gradient, exactly as
@@ -27,8 +27,8 @@ import torch.nn as nn
 import autoshard
 from autoshard import CaptureError, Mesh
 from autoshard.runtime import export as R
-from exactness import reference_train, sgd_momentum
-from test_property import close
+from tests.helpers.exactness import reference_train, sgd_momentum
+from tests.helpers.exactness import close
 
 HIDDEN, FFN, EXPERTS, TOP_K = 16, 32, 4, 2
 # the dense-dispatch experts below are not token rows [T, h]: the generic op rules plan them
@@ -378,7 +378,7 @@ def test_phimoe_router_under_no_grad_plans_and_is_exact():
     """PhiMoE's sparsemixer computes its routing masks under ``torch.no_grad()`` in every mode;
     it used to stop the capture. The data-parallel plan is strict (no value it splits is gathered)
     and its forward and backward equal the unsharded model."""
-    from hf_zoo import BATCH, DECODER, SEQ, TOKENS
+    from tests.helpers.hf_zoo import BATCH, DECODER, SEQ, TOKENS
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("phimoe", **dict(DECODER, num_local_experts=4, num_experts_per_tok=2,

@@ -1,8 +1,6 @@
 """Activation checkpointing: blocks recomputed in backward train exactly like the unsharded
 model, the runtime holds fewer saved-activation bytes, and the search turns checkpointing on
 when only the recomputing plan fits ``memory_limit``."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,8 @@ from autoshard.runtime import run_simulated
 from autoshard.runtime.transport.rank_context import current
 from autoshard.runtime.primitives.recompute import SavedBytes, recompute
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread
 
 DP = ({"dp": 2}, {"batch": "dp"})
 DPTP = ({"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"})
@@ -83,7 +80,7 @@ def test_checkpointed_training_is_exact(mesh, layout, stage, reshard):
     """3 AdamW steps with every block recomputed: equal to the same plan without
     checkpointing bit for bit (the recompute runs the same kernels on the same inputs), and to
     single-device training within its own float32 spread (float32 against float64 training of
-    the unsharded model, per parameter tensor: tests/exactness.py), which covers Adam's
+    the unsharded model, per parameter tensor: tests/helpers/exactness.py), which covers Adam's
     amplification of rounding in tiny gradients on any CPU's kernels."""
     model, args, dims = llama_tiny(with_labels=True)
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)  # noqa: E731

@@ -2,18 +2,13 @@
 torch.nn.utils.clip_grad_norm_ on the unsharded model."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import run_simulated  # noqa: E402
-from autoshard.runtime.execution.clip import clip_grad_norm_  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.runtime import run_simulated
+from autoshard.runtime.execution.clip import clip_grad_norm_
+from examples.models import llama_tiny
 
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"})
 

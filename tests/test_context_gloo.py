@@ -8,18 +8,13 @@ point), and both sides run one intra-op thread.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import DistributedBackend, current, rank_context, run_simulated  # noqa: E402
-from autoshard.runtime.transport.launch import spawn  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.runtime import DistributedBackend, current, rank_context, run_simulated
+from autoshard.runtime.transport.launch import spawn
+from examples.models import llama_tiny
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,9 @@
-"""Context parallelism: seed numbers, the ring-attention kernel against PyTorch's SDPA.
+"""Context parallelism: worked numbers, the ring-attention kernel against PyTorch's SDPA.
 
-Seed 000 ("Sequence and context parallelism") and seed 003 §13.5.4 give the numbers; every
-expected value below is the seed's or comes from eager ``F.scaled_dot_product_attention``.
+The numbers are worked by hand from the online softmax (Milakov & Gimelshein, 2018), the causal
+pair count of contiguous and zigzag ownership, and ring attention's per-block estimate (Liu et
+al., 2023) for a 128k-token Llama-3-8B sequence on eight GPUs; every other expected value comes
+from eager ``F.scaled_dot_product_attention``.
 """
 import itertools
 import math
@@ -18,7 +20,7 @@ from autoshard.runtime.primitives.ring_attention import (allgather_attention, or
 GiB = 2 ** 30
 
 
-# --- seed 000: the online-softmax worked example ------------------------------------------
+# --- the online softmax (Milakov & Gimelshein, 2018), worked by hand ------------------------
 
 def test_online_softmax_worked_example_either_order():
     # Block A: one key scoring ln 3 with value 6; block B: one key scoring 0 with value 6.
@@ -26,11 +28,11 @@ def test_online_softmax_worked_example_either_order():
     B = (0.0, 1.0, 6.0)
     for states in ([A, B], [B, A]):
         s = online_softmax_merge(states)
-        assert float(s.m) == pytest.approx(math.log(3))           # "the shared maximum is ln(3)"
-        assert float(s.l) == pytest.approx(4 / 3)                 # "accumulated denominator is 4/3"
-        assert float(s.u) == pytest.approx(8.0)                   # "the numerator is 8"
-        assert float(s.output()) == pytest.approx(6.0)            # "the output remains 6"
-    # "Block B contributes weight e^(0 - ln 3) = 1/3": B's share of the merged denominator
+        assert float(s.m) == pytest.approx(math.log(3))           # the shared maximum is ln 3
+        assert float(s.l) == pytest.approx(4 / 3)                 # denominator 1 + e^(0 - ln 3) = 4/3
+        assert float(s.u) == pytest.approx(8.0)                   # numerator 6 + 6/3 = 8
+        assert float(s.output()) == pytest.approx(6.0)            # output 8 / (4/3) = 6
+    # block B contributes weight e^(0 - ln 3) = 1/3 to the merged denominator
     s = online_softmax_merge([A, B])
     assert float(s.l) - 1.0 == pytest.approx(1 / 3)
     # the same as a softmax over both keys at once
@@ -48,7 +50,7 @@ def test_online_softmax_guarded_empty_blocks():
     assert float(s.output()) == pytest.approx(6.0) and float(s.l) == pytest.approx(1.0)
 
 
-# --- seed 000: zigzag balance ---------------------------------------------------------------
+# --- zigzag balance: query q (1-based) has q causal keys, 16 positions on 8 ranks -----------
 
 def _pairs_brute_force(S, R, chunks_of):
     # query position q (1-based) sees keys 1..q: q valid pairs
@@ -59,27 +61,27 @@ def _pairs_brute_force(S, R, chunks_of):
 def test_zigzag_pairs_16_positions_8_ranks():
     zig = causal_pairs_per_rank(16, 8, order="zigzag")
     con = causal_pairs_per_rank(16, 8, order="contiguous")
-    assert zig == [17] * 8                                     # "Zigzag ownership gives every rank 17"
-    assert min(con) == 3 and max(con) == 31                    # "ranges from 3 to 31 valid pairs per rank"
-    assert sum(zig) == sum(con) == 136                         # "the same 136 valid pairs"
+    assert zig == [17] * 8                                     # chunks r and 15-r: (r+1) + (16-r) = 17
+    assert min(con) == 3 and max(con) == 31                    # rank r: (2r+1) + (2r+2) = 4r+3, 3 to 31
+    assert sum(zig) == sum(con) == 136                         # 16 x 17 / 2 = 136 either way
     assert zig == _pairs_brute_force(16, 8, lambda r: (r, 15 - r))   # rank i holds chunks i and 2R-1-i
     assert con == _pairs_brute_force(16, 8, lambda r: (r,))
 
 
-# --- seed 003 §13.5.4: 128k tokens on eight GPUs ------------------------------------------------
+# --- ring attention (Liu et al., 2023): 128k tokens of Llama-3-8B on eight GPUs ------------------
 
 def test_128k_example_through_the_cost_model():
     e = context_parallel_estimate(131072, 8, layers=32, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2,
                                   link=LinkSpec(400e9))
-    assert e.kv_bytes == 16 * GiB                              # "requires 16 GiB"
-    assert e.kv_bytes_per_rank == 2 * GiB                      # "gives 2 GiB per GPU"
-    assert e.block_bytes == 2 * 16384 * 8 * 128 * 2            # "2 x 16,384 x 8 x 128 x 2"
-    assert round(e.block_bytes / 1e6) == 67                    # "~67 MB"
-    assert round(e.block_send_s * 1e3, 2) == 0.17              # "about 0.17 ms at the assumed 400 GB/s"
-    assert e.block_pair_flops == 4 * 16384 ** 2 * 32 * 128     # "4 x 16,384^2 x 32 x 128"
-    assert round(e.block_pair_flops / 1e12, 1) == 4.4          # "~4.4 x 10^12 FLOPs"
-    assert round(e.block_compute_s * 1e3, 1) == 4.4            # "about 4.4 ms at 989 TFLOP/s" (h100 preset)
-    # "leaves room to hide the next transfer behind computation": the ring wins here
+    assert e.kv_bytes == 16 * GiB                              # 2 x 131072 x 8 x 128 x 2 B x 32 layers
+    assert e.kv_bytes_per_rank == 2 * GiB                      # 16 GiB / 8
+    assert e.block_bytes == 2 * 16384 * 8 * 128 * 2            # K+V x tokens x kv heads x d x 2 B
+    assert round(e.block_bytes / 1e6) == 67                    # ~67 MB
+    assert round(e.block_send_s * 1e3, 2) == 0.17              # 67 MB / 400 GB/s ~ 0.17 ms
+    assert e.block_pair_flops == 4 * 16384 ** 2 * 32 * 128     # QK^T and PV, 2 FLOPs per multiply-add
+    assert round(e.block_pair_flops / 1e12, 1) == 4.4          # ~4.4 x 10^12 FLOPs
+    assert round(e.block_compute_s * 1e3, 1) == 4.4            # 4.4e12 / 989 TFLOP/s (h100 preset) ~ 4.4 ms
+    # compute hides the next block's transfer: the ring wins here
     assert e.block_compute_s > 10 * e.block_send_s and e.variant == "ring"
     # zigzag halves the busiest rank's causal work; contiguous leaves the last rank ~(2R-1)/(2R)
     c = context_parallel_estimate(131072, 8, layers=32, heads=32, kv_heads=8, head_dim=128, order="contiguous")
@@ -181,17 +183,14 @@ def test_zigzag_permute_chunks():
 
 # --- plans: layout={"seq": "cp"} on the Llama-style example ------------------------------------
 
-import sys  # noqa: E402
-import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
+import warnings
 
-import torch.nn as nn  # noqa: E402
+import torch.nn as nn
 
-import autoshard  # noqa: E402
+import autoshard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from exactness import assert_exact, assert_trains_like_single_device  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+from tests.helpers.exactness import assert_exact, assert_trains_like_single_device
+from examples.models import llama_tiny
 
 LLAMA_TP = {"heads": "tp", "kv_heads": "tp", "ffn": "tp"}
 

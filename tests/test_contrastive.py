@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import Mesh
-from test_property import close
+from tests.helpers.exactness import close
 
 
 class Contrastive(nn.Module):

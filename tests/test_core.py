@@ -1,7 +1,5 @@
 """Core acceptance: capture -> named dims -> SPMD rewrite, exact on the simulated mesh."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,15 +10,14 @@ import autoshard
 from autoshard import LayoutError, Mesh, UnsupportedOpWarning
 from autoshard.ownership import local_piece
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact, block_of  # noqa: E402
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from tests.helpers.exactness import assert_exact, block_of
+from examples.models import gpt2_tiny, llama_tiny
 
 TP = {"heads": "tp", "ffn": "tp"}
 DP_TP = {"batch": "dp", "heads": "tp", "ffn": "tp"}
 
 
-# --------------------------------------------------------------------------- seed examples
+# --------------------------------------------------------------------------- worked examples
 
 
 class SwiGLU(nn.Module):
@@ -34,8 +31,9 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def test_seed_swiglu_two_rank_trace():
-    """Seed 003, Table 13.4: column-split gate/up, row-split down, one all-reduce."""
+def test_swiglu_two_rank_trace():
+    """Megatron-LM's MLP split (Shoeybi et al., 2019) on a SwiGLU block: column-split gate/up,
+    row-split down, one all-reduce; two ranks with small hand-written matrices."""
     rank_gate = [[[1, -1], [0, 0]], [[0, 2], [0, 0]]]  # [d, h/2] per rank, rows listed
     rank_up = [[[2, 3], [0, 0]], [[4, 1], [0, 0]]]
     rank_down = [[[1, 0], [0, 1]], [[1, 1], [1, -1]]]  # [h/2, d]
@@ -49,7 +47,7 @@ def test_seed_swiglu_two_rank_trace():
     plan = autoshard.autoshard(m, (x,), mesh=mesh,
                                dims={"x": "tokens hidden", "gate.weight": "ffn hidden", "up.weight": "ffn hidden",
                                      "down.weight": "hidden ffn"}, layout={"ffn": "tp"})
-    # Each rank holds exactly the seed's matrices.
+    # Each rank holds exactly the matrices written above.
     for rank in range(2):
         held = local_piece(m.gate.weight.detach(), plan.placement_of("gate.weight"), mesh, rank)
         assert torch.equal(held.T, torch.tensor(rank_gate[rank], dtype=torch.float32))
@@ -71,8 +69,8 @@ class MatMul(nn.Module):
         return a @ b
 
 
-def test_seed_contraction_partial_then_one_all_reduce():
-    """Seed 000: C[I,K] = A[I,J] B[J,K]; J sharded leaves a partial sum, one all-reduce."""
+def test_contraction_partial_then_one_all_reduce():
+    """C[I,K] = sum_J A[I,J] B[J,K]; J sharded leaves each rank a partial sum, one all-reduce."""
     a, b = torch.randn(4, 6), torch.randn(6, 8)
     plan = autoshard.autoshard(MatMul(), (a, b), mesh=Mesh({"x": 2}), dims={"a": "I J", "b": "J K"},
                                layout={"J": "x"})
@@ -81,7 +79,7 @@ def test_seed_contraction_partial_then_one_all_reduce():
     torch.testing.assert_close(plan.simulate(a, b), a @ b, rtol=1e-5, atol=1e-6)
 
 
-def test_seed_contraction_rejects_I_and_K_on_one_axis():
+def test_contraction_rejects_I_and_K_on_one_axis():
     a, b = torch.randn(4, 6), torch.randn(6, 8)
     with pytest.raises(LayoutError, match=r"two dims of one tensor.*'I'.*'K'"):
         autoshard.autoshard(MatMul(), (a, b), mesh=Mesh({"x": 2}), dims={"a": "I J", "b": "J K"},

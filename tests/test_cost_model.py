@@ -89,6 +89,32 @@ def test_compute_counts_and_roofline():
         d.flops("fp8")
 
 
+def test_op_classes_come_from_the_rule_table():
+    """The cost model's matrix products and views are classes of passes/rules.py's RULES: an op
+    added to the table with a view rule (or as a two-factor contraction) is costed as one."""
+    import torch
+    from autoshard.cost import model
+    from autoshard.passes import rules
+    aten = torch.ops.aten
+    assert model.MATMUL_OPS is rules.MATMUL_OPS and model.VIEW_OPS is rules.VIEW_OPS
+    for op in set(model.MATMUL_OPS) | model.VIEW_OPS:
+        assert op in rules.RULES, op
+    for op, rule in rules.RULES.items():
+        if rule in rules.VIEW_RULES:
+            assert op in model.VIEW_OPS, op
+    # the first factor of each product, where the op's arguments put it (a bias first for addmm)
+    assert model.MATMUL_OPS[aten.addmm.default] == 1 and model.MATMUL_OPS[aten.mm.default] == 0
+    # an einsum equation and an outer product are contractions, but not products of two matrices
+    assert aten.einsum.default not in model.MATMUL_OPS and aten.outer.default not in model.MATMUL_OPS
+    # costed as the class says: a product 2mnk FLOPs, a view nothing
+    graph = torch.fx.Graph()
+    a, b, bias = (graph.placeholder(n) for n in "abc")
+    a.meta["val"], b.meta["val"], bias.meta["val"] = torch.empty(4, 6), torch.empty(6, 5), torch.empty(4, 5)
+    out = [torch.empty(4, 5)]
+    assert model.op_work(aten.addmm.default, (bias, a, b), {}, out)[0] == 2 * 4 * 5 * 6
+    assert model.op_work(aten.view_as.default, (a, b), {}, out) == (0.0, 0.0)
+
+
 def test_axis_links_accepts_autoshard_mesh_and_misaligned_groups():
     hw = load_hardware("h100")
     assert hw.link_for_axis(autoshard.Mesh({"dp": 2, "tp": 8}), "tp").name == "nvlink"

@@ -3,21 +3,15 @@ loading under another plan (reshard), consolidation into a plain state dict, tor
 mismatches. The same on real gloo processes: tests/test_gloo_checkpoint.py."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.ownership import assemble, local_piece  # noqa: E402
-from autoshard.runtime import run_simulated  # noqa: E402
-from autoshard.runtime.execution.checkpoint import CheckpointError  # noqa: E402
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
-from exactness import reference_train, reference_train64, to_float64, train_steps, within_spread  # noqa: E402
+import autoshard
+from autoshard.ownership import assemble, local_piece
+from autoshard.runtime import run_simulated
+from autoshard.runtime.execution.checkpoint import CheckpointError
+from examples.models import gpt2_tiny, llama_tiny
+from tests.helpers.exactness import reference_train, reference_train64, to_float64, train_steps, within_spread
 
 LR = 1e-2
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"})
@@ -104,7 +98,7 @@ def _expected_piece(full, slot, mesh, rank, state: bool):
 
 def eager_reference(data, steps, dtype=torch.float32):
     """Single-device AdamW: the global parameters and moments, made without autoshard (in
-    ``dtype``: float64 gives the float32 spread bound of tests/exactness.py)."""
+    ``dtype``: float64 gives the float32 spread bound of tests/helpers/exactness.py)."""
     model, _, _ = llama_tiny(with_labels=True)
     model = model.to(dtype)
     opt = adamw(model.parameters())
@@ -141,7 +135,7 @@ def test_reshard_dp_tp_zero3_to_tp4_dp4_zero1_and_one_device(tmp_path):
     params64, state64 = eager_reference(data, 2, torch.float64)
     # Adam divides by sqrt(v): where a gradient is ~0, summation-order differences move the
     # update by a fraction of lr. Parameters and moments within the float32 spread of
-    # single-device training itself (float32 against float64, per tensor: tests/exactness.py).
+    # single-device training itself (float32 against float64, per tensor: tests/helpers/exactness.py).
     for fqn, g in glob.items():
         within_spread(g["param"], ref_params[fqn], params64[fqn], fqn)
         for k in ("exp_avg", "exp_avg_sq"):
@@ -201,7 +195,7 @@ def test_resume_on_another_plan_continues_like_one_device(tmp_path):
     results = run_simulated(dst.mesh, resume_fn)
     model, _, _ = llama_tiny(with_labels=True)
     # the unsharded model, the same steps, in float32 and float64: the float32 spread bound
-    # (tests/exactness.py; Adam: see the test above)
+    # (tests/helpers/exactness.py; Adam: see the test above)
     losses32, params32 = reference_train(model, data, adamw)
     losses64, params64 = reference_train64(model, data, adamw)
     within_spread(torch.tensor(results[0][0]), torch.tensor(losses32[2:]), torch.tensor(losses64[2:]), "losses")

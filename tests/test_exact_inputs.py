@@ -1,4 +1,4 @@
-"""Silent wrong results found by hostile inputs (issue 9, items 1-5): each case is either exact
+"""Silent wrong results found by hostile inputs: each case is either exact
 against the unsharded model (outputs and gradients, fp32 bounds) or refused with a documented
 error or warning type."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import Mesh
-from exactness import assert_exact
+from tests.helpers.exactness import assert_exact
 
 
 # ----------------------------------------------------------------- 1. probability targets

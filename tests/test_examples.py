@@ -2,18 +2,14 @@
 
 import fnmatch
 import resource
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from examples.models import (  # noqa: E402
+from examples.models import (
     FACTORIES, factory, gpt2_tiny, init_weights, llama_8b_meta, llama_tiny,
 )
 

@@ -9,8 +9,6 @@ capacity policy against an independent reference, training steps.
 import collections
 import copy
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +19,9 @@ from autoshard.cost import tokens_per_expert
 from autoshard.runtime import run_simulated
 from autoshard.runtime.primitives import experts as X
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from examples.models import moe_tiny  # noqa: E402
-from exactness import assert_exact, assert_training_within_spread, reference, reference_train  # noqa: E402
+from examples.models import moe_tiny
+from tests.helpers.exactness import assert_exact, assert_training_within_spread, reference, reference_train
+from tests.helpers.hf_moe import HF_DIMS, CausalLMLoss, hf_moe
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -103,8 +100,8 @@ def test_capacity_drops_in_global_token_order():
     assert whole == {(r * T + t) * k + j for r in range(2) for t in range(T) for j in range(k) if keep[r][t][j]}
 
 
-def test_seed_tokens_per_expert():
-    """Seed 003, §13.7.2: 64 experts, top-2 routing, 256 tokens -> 8 rows per expert."""
+def test_tokens_per_expert_worked_example():
+    """B * k / E: 64 experts, top-2 routing, 256 tokens -> 256 * 2 / 64 = 8 rows per expert."""
     assert tokens_per_expert(256, 2, 64) == 8
 
 
@@ -191,7 +188,7 @@ def _as_float64(model):
 
 def _train_exactly(plan, model, args, steps=3):
     """AdamW steps equal single-device training within its own float32 spread (float32
-    against float64, per parameter tensor: tests/exactness.py)."""
+    against float64, per parameter tensor: tests/helpers/exactness.py)."""
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     losses, params = plan.simulate_train([args] * steps, optimizer=make)
     assert_training_within_spread(losses, params, model, [args] * steps, make, as_float64=_as_float64)
@@ -251,20 +248,7 @@ def _hf(name):
             shared_expert_intermediate_size=32))
     else:
         model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
-    return _Loss(model.eval()), (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
-
-
-class _Loss(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, labels=input_ids).loss
-
-
-HF_DIMS = {"input_ids": "batch seq", "*.q_proj.weight": "heads hidden", "*.k_proj.weight": "kv_heads hidden",
-           "*.v_proj.weight": "kv_heads hidden", "*.o_proj.weight": "hidden heads"}
+    return CausalLMLoss(model.eval()), (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
 
 
 EP2 = {"batch": "ep", "experts": "ep"}
@@ -313,36 +297,11 @@ def test_hugging_face_moe_trains_exactly_on_dp2_x_ep2(name, layout):
 
 # --------------------------------------------------------------------------- every implementation, both namings
 
-def _hf_impl(name, impl):
-    """A tiny Hugging Face MoE with ``experts_implementation=impl`` (routing as :func:`_hf`)."""
-    transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32, use_cache=False, experts_implementation=impl)
-    torch.manual_seed(0)
-    config, cls = {
-        "mixtral": (lambda: transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
-                    transformers.MixtralForCausalLM),
-        "qwen2_moe": (lambda: transformers.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
-                                                           moe_intermediate_size=16, shared_expert_intermediate_size=32),
-                      transformers.Qwen2MoeForCausalLM),
-        "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
-                                                           moe_intermediate_size=16), transformers.Qwen3MoeForCausalLM),
-        "olmoe": (lambda: transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
-                  transformers.OlmoeForCausalLM),
-        # per-expert biases, selected per row like the weights
-        "gpt_oss": (lambda: transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, head_dim=4,
-                                                      layer_types=["full_attention"] * 2),
-                    transformers.GptOssForCausalLM),
-    }[name]
-    model = cls(config())
-    assert model.config._experts_implementation == impl
-    return _Loss(model.eval()), (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)),)
-
 
 def _namings():
     """The experts dim inferred (named ``experts`` by the pass), or named by the user on the stacked
-    weights and on the router's weight as ``tests/hf_zoo.py`` does (``"*.mlp.gate.weight": "experts hidden"``)."""
-    from hf_zoo import EXPERTS_DIMS
+    weights and on the router's weight as ``tests/helpers/hf_zoo.py`` does (``"*.mlp.gate.weight": "experts hidden"``)."""
+    from tests.helpers.hf_zoo import EXPERTS_DIMS
     return {"inferred": HF_DIMS, "named": {**HF_DIMS, **EXPERTS_DIMS}}
 
 
@@ -360,7 +319,7 @@ def _assert_exact64(plan, model, args):
     result or, where a sum in another order (over ranks, over an expert's rows) lands further, at
     most 10x as far from the float64 result as one device's float32 result is
     (``test_property.close``): a bound set by the model's own rounding, on any CPU."""
-    from test_property import close
+    from tests.helpers.exactness import close
     ref_out, ref_grads = reference(model, args)
     f64 = []
 
@@ -394,7 +353,7 @@ def test_every_implementation_and_naming_plans_readme_layout_strictly_and_exactl
     layer with the experts dim called ``experts``, the region's all-to-alls and nothing else on
     ep, expert weights split on ep and the router whole there (it scores every expert for this
     rank's tokens), exact."""
-    model, args = _hf_impl(name, impl)
+    model, args = hf_moe(name, impl)
     plan = autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=_namings()[naming], layout=layout, strict=True)
     form = {"grouped_mm": "grouped", "batched_mm": "batched"}[impl]
     assert [p.region.form for p in plan.program.experts] == [form, form]
@@ -418,7 +377,7 @@ def test_expert_biases_are_selected_per_row_on_the_experts_ranks(impl):
     """GPT-OSS's experts add per-expert biases, selected per row by the rows' expert ids (sorted
     ids in grouped_mm, the flattened top_k_index in batched_mm): on ep each rank selects from its
     own experts' biases with the rows' local ids. Router (weight and bias) named ``experts``."""
-    model, args = _hf_impl("gpt_oss", impl)
+    model, args = hf_moe("gpt_oss", impl)
     dims = {**HF_DIMS, "*.mlp.router.weight": "experts hidden", "*.mlp.router.bias": "experts"}
     plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=dims, layout=DATA, strict=True)
     assert [p.region.form for p in plan.program.experts] == [impl.split("_")[0]] * 2
@@ -434,8 +393,8 @@ def test_batched_and_grouped_mm_train_exactly_with_the_router_named_experts(impl
     ``experts hidden``: losses and every parameter equal single-device training, within 10x the
     float32-vs-float64 spread of that training (AdamW divides by sqrt(v) and magnifies rounding
     of near-zero gradients, so the bound comes from the run itself)."""
-    from test_property import close
-    model, args = _hf_impl("mixtral", impl)
+    from tests.helpers.exactness import close
+    model, args = hf_moe("mixtral", impl)
     plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2, "ep": 2}), dims=_namings()["named"], layout=DATA,
                                train=True, strict=True)
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,18 +23,14 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from autoshard.runtime import export as R  # noqa: E402
-import autoshard  # noqa: E402
-from autoshard.passes.export import simulate_export, simulate_run, torchrun_command  # noqa: E402
-from autoshard.runtime.primitives.collectives import ADJOINTS  # noqa: E402
-from autoshard.runtime.execution.schedules import (Action, check_schedule, dependencies, make_schedule, stage_rank)  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
-from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
-from test_train_loop import expected_lr  # noqa: E402
+from autoshard.runtime import export as R
+import autoshard
+from autoshard.passes.export import simulate_export, simulate_run, torchrun_command
+from autoshard.runtime.primitives.collectives import ADJOINTS
+from autoshard.runtime.execution.schedules import (Action, check_schedule, dependencies, make_schedule, stage_rank)
+from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.pipeline import masked_batch, pipeline_plan
+from tests.helpers.train_loop import expected_lr
 
 ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731 - run.py's default optimizer
 CALL = re.compile(r"^\s+\w+ = (" + "|".join(ADJOINTS) + r")\(")
@@ -263,7 +258,7 @@ def test_data_steps_train_like_the_plan_and_single_device(zb, tmp_path):
     file (the 4th wraps to the start) give the plan's simulate_train losses on the same batches
     bit for bit, and single-device training's losses and final parameters (the parameters read
     back from the checkpoint written at the end) within that training's own float32 spread
-    (float32 against float64, per parameter tensor: tests/exactness.py)."""
+    (float32 against float64, per parameter tensor: tests/helpers/exactness.py)."""
     plan, args, model, path = zb
     data, batches = token_file(tmp_path, args, 3)
     res = simulate_run(path, "--steps", "4", "--data", str(data), "--ckpt", str(tmp_path / "ck"))

@@ -1,5 +1,5 @@
 """Fuzz test: "exact or refused" on random programs with the features that once gave silently
-wrong results (issue 9).
+wrong results.
 
 Each program is a random property-test program (``tests/test_property.py``: its generator,
 module and oracle) wrapped with a random mix of
@@ -41,8 +41,9 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import Mesh
-from test_property import (MESHES, ProgX, ProgXIdx, Gen, close, make_args, predict, program_source, random_layout,
-                           run_steps)
+from tests.helpers.exactness import close
+from tests.helpers.programs import (MESHES, ProgX, ProgXIdx, Gen, make_args, predict, program_source, random_layout,
+                                    run_steps)
 
 N_PROGRAMS = int(os.environ.get("AUTOSHARD_FUZZ_PROGRAMS", "60"))
 CLASSES = 6
@@ -286,7 +287,7 @@ def write_layouts(c: Case, r: random.Random) -> list:
     return out
 
 
-def mismatched_calls(c: Case, r: random.Random) -> list:
+def mismatched_calls(c: Case) -> list:
     """(what, args, kwargs, input name) calls that differ from the planned one in one input."""
     x = c.args[0]
     calls = [("batch", (torch.randn((x.shape[0] * 2, *x.shape[1:])),), "x"),
@@ -312,11 +313,28 @@ def plan_for(c: Case, mesh, layout, captured=None):
                                    captured=captured)
 
 
-def run_case(seed: int) -> Case:
+def draw(seed: int) -> tuple:
+    """Program ``seed``: its case and its (mesh, layout) pairs."""
     c = make_case(seed)
     r = random.Random(f"fuzz-calls-{seed}")
+    return c, layouts(c, r) + write_layouts(c, random.Random(f"fuzz-write-layouts-{seed}"))
+
+
+def expected_outcomes(seed: int) -> list:
+    """The outcomes ``run_case(seed)`` records when it passes, from the generator alone (no plan):
+    a refusal or a warning, or one per (mesh, layout) pair (the first two exact; a later one,
+    which splits the written dim, exact or refused) and one refusal per mismatched call."""
+    c, pairs = draw(seed)
+    if c.feats.outcome in ("refused", "warned"):
+        return [c.feats.outcome]
+    exact = "exact" if c.feats.write is None else "exact: write"
+    return ([exact if i < 2 else "exact or refused: write" for i in range(len(pairs))]
+            + ["refused: " + what for what, *_ in mismatched_calls(c)])
+
+
+def run_case(seed: int) -> Case:
+    c, pairs = draw(seed)
     feats = c.feats
-    pairs = layouts(c, r) + write_layouts(c, random.Random(f"fuzz-write-layouts-{seed}"))
     before = {n: b.clone() for n, b in c.model.named_buffers()}
     if feats.outcome == "refused":
         with pytest.raises(autoshard.UnsupportedModelError) as e:
@@ -381,7 +399,7 @@ def run_case(seed: int) -> Case:
         for n, g in ref_grads.items():
             close(grads[n], g, f"{mesh} {layout}: grad of {n}", exact(0, n))
         c.outcomes.append("exact" if feats.write is None else "exact: write")
-    for what, args, kwargs, name in mismatched_calls(c, r):
+    for what, args, kwargs, name in mismatched_calls(c):
         with pytest.raises(autoshard.InputMismatchError, match=rf"^input {name} ") as e:
             first.simulate(*args, **kwargs)
         assert "\n" not in str(e.value)
@@ -389,27 +407,27 @@ def run_case(seed: int) -> Case:
     return c
 
 
-RESULTS: dict = {}
-
-
 @pytest.mark.parametrize("seed", range(N_PROGRAMS), ids=lambda s: f"fuzz_{s}")
 def test_fuzz_program(seed):
     try:
-        RESULTS[seed] = run_case(seed).outcomes
+        c = run_case(seed)
     except Exception as e:
         c = make_case(seed)
         raise AssertionError(f"fuzz program {seed} ({c.feats.describe()}; expected {c.feats.outcome}):\n"
                              f"{program_source(c.prog)}\n{type(e).__name__}: {e}") from e
+    expected = expected_outcomes(seed)
+    assert len(c.outcomes) == len(expected) and all(o == e or e == "exact or refused: write" and o.endswith(": write")
+                                                    for o, e in zip(c.outcomes, expected)), (c.outcomes, expected)
 
 
 def test_fuzz_summary():
-    """At least 300 checked cases, with every outcome kind represented."""
-    for seed in range(N_PROGRAMS):
-        if seed not in RESULTS:
-            RESULTS[seed] = run_case(seed).outcomes
-    counts = Counter(o.split(":")[0] for outs in RESULTS.values() for o in outs)
-    print(f"\nfuzz: {len(RESULTS)} programs, {sum(counts.values())} cases: {dict(Counter(o for v in RESULTS.values() for o in v))}")
-    writes = Counter(o for outs in RESULTS.values() for o in outs if o.endswith(": write"))
+    """At least 300 checked cases, with every outcome kind represented. Each seed test asserts
+    that its outcomes are the expected ones, so these counts, taken from the generator alone
+    (``expected_outcomes``: no plan), are the outcome counts of the seed tests."""
+    outcomes = {seed: expected_outcomes(seed) for seed in range(N_PROGRAMS)}
+    counts = Counter(o.split(":")[0] for outs in outcomes.values() for o in outs)
+    print(f"\nfuzz: {N_PROGRAMS} programs, {sum(counts.values())} cases: {dict(Counter(o for v in outcomes.values() for o in v))}")
+    writes = Counter(o for outs in outcomes.values() for o in outs if o.endswith(": write"))
     assert sum(counts.values()) >= 300, counts
     assert counts["exact"] >= 50 and counts["refused"] >= 100 and counts["warned"] >= 1, counts
     # planned programs with an in-place write, each exact or refused (LayoutError)

@@ -1,21 +1,16 @@
 """Checkpoints on 4 real gloo processes (dp=2 x tp=2): resume is bit-exact (4 steps straight vs
 2 steps, save, load into fresh ranks, 2 steps) for ZeRO-0 and ZeRO-3, and the ZeRO-3 checkpoint
 loads under tp=4 in the same processes with every parameter equal to the consolidated one."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.ownership import assemble  # noqa: E402
-from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.transport.launch import spawn  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from exactness import train_steps  # noqa: E402
+import autoshard
+from autoshard.ownership import assemble
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.transport.launch import spawn
+from examples.models import llama_tiny
+from tests.helpers.exactness import train_steps
 
 pytestmark = pytest.mark.slow
 LR = 1e-2

@@ -5,21 +5,16 @@ bit (losses, trained parameters, and the collectives each rank ran, the variable
 all-to-alls included), and an exported EP plan runs under torchrun with ``run.py --check``."""
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.transport.launch import spawn  # noqa: E402
-from autoshard.passes.export import torchrun_command  # noqa: E402
-from examples.models import moe_tiny  # noqa: E402
-from exactness import train_steps  # noqa: E402
+import autoshard
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.transport.launch import spawn
+from autoshard.passes.export import torchrun_command
+from examples.models import moe_tiny
+from tests.helpers.exactness import train_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -27,10 +22,10 @@ LAYOUT = {"batch": ("dp", "ep"), "experts": "ep"}
 
 
 def make_plan(experts="grouped"):
-    if experts == "batched_mm":  # Hugging Face Mixtral, the router named as tests/hf_zoo.py names it
-        from hf_zoo import EXPERTS_DIMS
-        from test_experts import HF_DIMS, _hf_impl
-        (model, args), dims = _hf_impl("mixtral", "batched_mm"), {**HF_DIMS, **EXPERTS_DIMS}
+    if experts == "batched_mm":  # Hugging Face Mixtral, the router named as tests/helpers/hf_zoo.py names it
+        from tests.helpers.hf_zoo import EXPERTS_DIMS
+        from tests.helpers.hf_moe import HF_DIMS, hf_moe
+        (model, args), dims = hf_moe("mixtral", "batched_mm"), {**HF_DIMS, **EXPERTS_DIMS}
     else:
         model, args, dims = moe_tiny(experts=experts, with_labels=True)
     plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "ep": 2}), dims=dims, layout=LAYOUT,

@@ -16,21 +16,17 @@ Spawned processes re-import this module by name, so the workers are module-level
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.ownership import Partial, local_piece  # noqa: E402
-from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.transport.launch import SpawnError, spawn  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.ownership import Partial, local_piece
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.transport.launch import SpawnError, spawn
+from examples.models import llama_tiny
 
 pytestmark = pytest.mark.slow
 

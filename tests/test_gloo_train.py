@@ -3,20 +3,15 @@ mesh: per-step losses, the trained parameters, and the collectives each rank ran
 resharding, and DDP with small gradient buckets (asynchronous all-reduces on gloo). Collectives
 go through shared memory (all ranks on this host), ZeRO-3 once more through gloo's sockets."""
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.transport.launch import spawn  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from exactness import train_steps  # noqa: E402
+import autoshard
+from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.transport.launch import spawn
+from examples.models import llama_tiny
+from tests.helpers.exactness import train_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -89,11 +84,11 @@ def embedded_plan(zero_stage=3):
     # token and position embeddings: the position table's all_gather and its gradient sum run
     # between two units, so the next unit's gather has its own start and its reduce-scatter is held
     # (zero_stage=0: the gradients summed by buckets of a few parameters each instead)
-    from test_units import _Embedded
+    from tests.helpers.pos_model import Embedded
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     args = (torch.randint(0, 16, (4, 8), generator=g), torch.randint(0, 16, (4, 8), generator=g))
-    plan = autoshard.autoshard(_Embedded(), args, mesh=autoshard.Mesh({"dp": 2}),
+    plan = autoshard.autoshard(Embedded(), args, mesh=autoshard.Mesh({"dp": 2}),
                                dims={"tokens": "batch seq", "labels": "batch seq"}, layout={"batch": "dp"},
                                train=True, search=False, zero_stage=zero_stage,
                                **(dict(reshard_after_forward=True) if zero_stage == 3 else dict(bucket_mb=0.001)))
@@ -111,7 +106,7 @@ def test_units_started_after_plain_collectives_on_gloo_equal_simulation():
 def positions_plan(zero_stage):
     # a position table at arange and a scale read by it and by the tokens: a replicated region
     # whose gradient sum goes into the sharded state's reduce-scatters (grad_regions)
-    from test_grad_regions import DIMS, PosModel, batch
+    from tests.helpers.pos_model import DIMS, PosModel, batch
     torch.manual_seed(0)
     model = PosModel()
     plan = autoshard.autoshard(model, batch(), mesh=autoshard.Mesh({"dp": 2}), dims=DIMS, layout={"batch": "dp"},

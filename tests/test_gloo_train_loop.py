@@ -6,18 +6,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import autoshard  # noqa: E402
-from autoshard.passes.export import torchrun_command  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.passes.export import torchrun_command
+from examples.models import llama_tiny
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,8 @@
 """The CPU-side logic of benchmarks/gpu_check.py (the GPU run itself needs a CUDA device)."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import gpu_check  # noqa: E402
+from benchmarks import gpu_check
 
 
 def test_flops_peak_and_summary_line():

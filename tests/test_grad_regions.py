@@ -1,57 +1,11 @@
 """Data-parallel gradient sync of replicated regions (passes/grad_regions.py) and forward sums
 started early (passes/early_sums.py): fewer synchronous collectives, the same training."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-import autoshard
-from autoshard import Mesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exactness import assert_trains_like_single_device  # noqa: E402
-
-VOCAB, SEQ, DIM = 16, 8, 12
 
 
-class PosModel(nn.Module):
-    """Token + position embeddings (the position one is looked up at ``arange(seq)``: replicated
-    work feeding per-rank work), a scale read both ways, a mean cross-entropy. ``aux``: add a
-    replicated term of the position table to the loss (its gradient comes in whole)."""
-
-    def __init__(self, aux=False):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Embedding(SEQ, DIM)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
-        self.out = nn.Linear(DIM, VOCAB)
-        self.aux = aux
-
-    def forward(self, ids, labels):
-        p = self.pos(torch.arange(ids.shape[1])) * self.scale
-        h = torch.tanh(self.tok(ids) * self.scale + p)
-        loss = F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten())
-        return loss + 0.1 * (p ** 2).mean() if self.aux else loss
-
-
-def batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
-    labels[0, :5] = -100  # rank 0 counts fewer tokens than rank 1
-    return ids, labels
-
-
-DIMS = {"ids": "batch seq", "labels": "batch seq"}
-
-
-def plan_for(model, args, zero_stage=0, **options):
-    torch.manual_seed(0)
-    return autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=DIMS, layout={"batch": "dp"}, train=True,
-                               zero_stage=zero_stage, **options)
+from tests.helpers.pos_model import PosModel, batch, plan_for, train_matches_single_device
 
 
 def bucketed(plan) -> set:
@@ -61,13 +15,6 @@ def bucketed(plan) -> set:
 
 def syncs_on_dp(plan) -> list:
     return [c for c in plan.collectives if c.op == "mark_varying" and c.axes == ("dp",)]
-
-
-def train_matches_single_device(plan, model, microbatches=1):
-    steps = [batch(s) for s in range(3)]
-    if microbatches > 1:
-        steps = [[tuple(t[i::2] for t in b) for i in range(2)] for b in steps]
-    assert_trains_like_single_device(plan, model, steps, microbatches=microbatches)
 
 
 @pytest.mark.parametrize("bucket_mb", [25.0, 1e-4], ids=["one-bucket", "per-param"])

@@ -1,5 +1,5 @@
 """Hugging Face architectures, tried as a new user would: tiny models built from their configs
-(``tests/hf_zoo.py``: random weights, no downloads), the dims a user names, and the layouts an
+(``tests/helpers/hf_zoo.py``: random weights, no downloads), the dims a user names, and the layouts an
 expert asks for. Every plan must equal the unsharded model (forward and every gradient) and use
 the collectives an expert would write:
 
@@ -20,13 +20,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-import autoshard  # noqa: E402
-from autoshard import LayoutError, Mesh  # noqa: E402
-from autoshard.ownership import Shard  # noqa: E402
-from autoshard.passes.experts import MoEWarning  # noqa: E402
+import autoshard
+from autoshard import LayoutError, Mesh
+from autoshard.ownership import Shard
+from autoshard.passes.experts import MoEWarning
 
-import hf_zoo  # noqa: E402
-from hf_zoo import ARCHS, ZOO, TOKENS as TOKEN_DIMS  # noqa: E402
+from tests.helpers import hf_zoo
+from tests.helpers.hf_zoo import ARCHS, ZOO, TOKENS as TOKEN_DIMS
 
 # Every architecture of the issue's list; the first eleven are the ones the acceptance names.
 EXACT = ["llama", "qwen3", "gemma2", "phi3", "gpt_neox", "gpt2", "bert", "t5", "vit", "mixtral", "qwen2_moe",
@@ -75,7 +75,7 @@ def assert_exact_to_spread(plan, model, kwargs, loss, logits, grads):
     at most 10x as far from the float64 reference as the single-device float32 result is (a
     gradient summed over the split batch, e.g. a position table's, rounds in another order)."""
     import copy
-    from test_property import close
+    from tests.helpers.exactness import close
     f64 = []
 
     def exact(key):

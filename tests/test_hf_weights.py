@@ -16,24 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import safetensors  # noqa: E402
-import safetensors.torch  # noqa: E402
+import safetensors
+import safetensors.torch
 
-import autoshard  # noqa: E402
-import autoshard.passes.export  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import run_torchrun, simulate_export, simulate_run  # noqa: E402
-from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
+import autoshard
+import autoshard.passes.export
+from autoshard.runtime import export as R
+from autoshard.passes.export import simulate_export, simulate_run
+from autoshard.runtime.transport.simulated import run_simulated
 
-import hf_zoo  # noqa: E402
-from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
-from test_meta_export import DIMS, LAYOUT, MESH, hf_llama, plan_of  # noqa: E402
+from tests.helpers import hf_zoo
+from transformers import AutoConfig, LlamaForCausalLM
+from tests.helpers.hf_llama import DIMS, LAYOUT, MESH, Wrapped, hf_llama, plan_of, torchrun_losses, wrapped_dims
 
 # the tiny Llama's largest tensors (embedding, head) are 8 KiB: shards of 20 KB hold a few each
 SHARD_SIZE = "20KB"
@@ -168,22 +165,10 @@ def test_missing_keys_are_one_line_before_the_process_group(hf, tmp_path, monkey
         R.open_weights(hf["meta"], doc, tmp_path / "empty")
 
 
-class Wrapped(nn.Module):
-    """A training module that holds the HF model as an attribute: the plan's FQNs are the
-    checkpoint's keys under ``model.``."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.model = inner
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
-
-
 def test_weights_prefix_maps_a_wrapped_models_names_to_the_checkpoint(hf):
     real, kwargs = hf_llama()
     meta, meta_kwargs = hf_llama("meta")
-    dims = {k if k.startswith("*") or k in hf_zoo.TOKENS else "model." + k: v for k, v in DIMS.items()}
+    dims = wrapped_dims()
     plans = {name: autoshard.autoshard(Wrapped(m), (), kwargs=kw, mesh=autoshard.Mesh(MESH), dims=dims,
                                        layout=LAYOUT, train=True)
              for name, m, kw in (("real", real, kwargs), ("meta", meta, meta_kwargs))}
@@ -236,15 +221,9 @@ def test_zero_stages_read_their_stored_blocks_from_the_files(hf, tmp_path, zero_
 @pytest.mark.slow
 def test_torchrun_meta_export_from_a_sharded_hf_directory_equals_the_real_export(hf, tmp_path):
     """4 gloo processes, each opening the shards and reading its own blocks."""
-    losses = {}
-    for name, extra in (("real", []), ("meta", ["--weights", str(hf["sharded"])])):
-        metrics = tmp_path / f"{name}.jsonl"
-        proc = run_torchrun(hf[name], 4, "--steps", "3", "--metrics", str(metrics), *extra, timeout=180,
-                            capture=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert len(losses["real"]) == 3
-    assert losses["meta"] == losses["real"]
+    want = torchrun_losses(hf["real"], tmp_path / "real.jsonl", "--steps", "3")
+    got = torchrun_losses(hf["meta"], tmp_path / "meta.jsonl", "--steps", "3", "--weights", str(hf["sharded"]))
+    assert len(want) == 3 and got == want
 
 
 def test_tied_embeddings_saved_once_are_found_under_either_name(tmp_path):
@@ -289,15 +268,22 @@ print(json.dumps({"kept": out["kept"], "grown": status("VmHWM") - before}))
 
 
 @pytest.mark.slow
-def test_a_ranks_loading_peak_is_its_shard_plus_one_tensor(tmp_path):
+@pytest.mark.parametrize("source", ["hf", "dcp"])
+def test_a_ranks_loading_peak_is_its_shard_plus_one_tensor(tmp_path, source):
     """The whole-process high-water mark (VmHWM: heap and mapped file pages) of a fresh process
-    loading rank 0 of a tp=4 export from a sharded HF directory grows by at most its own shard
-    plus the largest tensor, plus 20 % for the allocator's and the reader's slack."""
+    loading rank 0 of a tp=4 export from a sharded HF directory (or a DCP checkpoint: torch's
+    own ``dcp.save``) grows by at most its own shard plus the largest tensor, plus 20 % for the
+    allocator's and the reader's slack."""
     import subprocess
     # layers dominate (a small vocabulary), so a rank that read whole tensors would exceed the bound
     cfg = AutoConfig.for_model("llama", **{**hf_zoo.DECODER, "vocab_size": 1024, "hidden_size": 512,
                                            "intermediate_size": 2048, "num_hidden_layers": 8})
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf", max_shard_size="20MB")
+    if source == "hf":
+        LlamaForCausalLM(cfg).save_pretrained(tmp_path / source, max_shard_size="20MB")
+    else:
+        import torch.distributed.checkpoint as dcp
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.save(LlamaForCausalLM(cfg).state_dict(), checkpoint_id=str(tmp_path / source), no_dist=True)
     with torch.device("meta"):
         meta = LlamaForCausalLM(cfg)
     ids = torch.randint(3, cfg.vocab_size, (hf_zoo.BATCH, hf_zoo.SEQ))
@@ -305,7 +291,7 @@ def test_a_ranks_loading_peak_is_its_shard_plus_one_tensor(tmp_path):
                                mesh=autoshard.Mesh({"tp": 4}), dims=DIMS,
                                layout={"heads": "tp", "kv_heads": "tp", "ffn": "tp"}, train=True)
     path = plan.export(tmp_path / "meta", kwargs={"input_ids": ids, "labels": ids})
-    proc = subprocess.run([sys.executable, "-c", _LOAD_RANK0, str(path), str(tmp_path / "hf")], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _LOAD_RANK0, str(path), str(tmp_path / source)], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,21 +3,15 @@ marks them ``consume=True``; the runtime sums in place and tells autograd). The 
 backend sums into a consumed input as gloo does, so these run the in-place path."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import fx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.passes.inplace_sums import IN_PLACE, consume_sum_inputs  # noqa: E402
-from autoshard.runtime import all_reduce, run_simulated  # noqa: E402
-from autoshard.runtime.primitives import collectives as C  # noqa: E402
-from test_overlap_linear import _transformer_plan  # noqa: E402
+import autoshard
+from autoshard.passes.inplace_sums import IN_PLACE, consume_sum_inputs
+from autoshard.runtime import all_reduce, run_simulated
+from autoshard.runtime.primitives import collectives as C
+from tests.helpers.tp_transformer import transformer_plan
 
 aten = torch.ops.aten
 
@@ -27,8 +21,8 @@ def _sums(plan):
 
 
 def test_row_parallel_sums_are_marked_and_equal_the_copying_program():
-    plan, args = _transformer_plan()
-    copying, _ = _transformer_plan(disable_passes=("inplace_sums",))
+    plan, args = transformer_plan()
+    copying, _ = transformer_plan(disable_passes=("inplace_sums",))
     # per block the partial sums of the attention output and of the MLP's second linear
     marked = [n for n in _sums(plan) if n.kwargs.get("consume")]
     assert [n.args[0].target for n in marked] == [aten.linear.default] * 4 == [n.args[0].target for n in _sums(plan)]

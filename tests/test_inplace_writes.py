@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import LayoutError, Mesh
-from test_property import close
+from tests.helpers.exactness import close
 
 B, S, H = 4, 8, 8
 NAMES = ["batch", "seq", "hid"]  # dims of y, by position
@@ -236,7 +236,7 @@ def test_write_that_stays_in_place_is_exact_or_refused():
 def test_exported_label_shift_passes_check_under_torchrun(tmp_path):
     """The label shift with the batch on dp and the sequence on tp, trained: run.py --check on 4
     gloo processes compares outputs, gradients and two optimizer steps with the unsharded model."""
-    from test_export import torchrun
+    from tests.helpers.torchrun import torchrun
     torch.manual_seed(0)
     model = ShiftRight(loss_only=True)
     labels = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))

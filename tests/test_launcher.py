@@ -17,15 +17,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.runtime.export.launcher import run_py_source  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.runtime.export.launcher import run_py_source
+from examples.models import llama_tiny
+from tests.helpers.pipeline import masked_batch, pipeline_plan
 
 MAX_LINES = 60
 ONE_LINE = r"^run\.py: error: .*\(hint: export again with this autoshard\)\n$"

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import autoshard  # noqa: E402
-from autoshard.mesh import Mesh  # noqa: E402
-from autoshard.runtime.export import memory as M  # noqa: E402
-from autoshard.runtime.export import read_plan  # noqa: E402
-from autoshard.runtime.transport.distributed import DistributedBackend  # noqa: E402
-from autoshard.runtime.transport.shm import SharedMemoryGroup  # noqa: E402
-from autoshard.passes.export import run_torchrun  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.mesh import Mesh
+from autoshard.ownership import Shard
+from autoshard.runtime.export import memory as M
+from autoshard.runtime.export import read_plan
+from autoshard.runtime.transport.distributed import DistributedBackend
+from autoshard.runtime.transport.shm import SharedMemoryGroup
+from autoshard.passes.export import run_torchrun
+from examples.models import llama_tiny
 
 MiB = 1 << 20
 
@@ -64,7 +60,6 @@ def test_the_prediction_counts_state_in_its_dtype_loading_and_the_process(zero3)
 
 def test_column_blocks_touch_every_page_of_the_tensor():
     mesh = Mesh({"tp": 4})
-    from autoshard.ownership import Shard
     rows = {"shape": [64, 32], "_dtype": torch.float32, "_place": (Shard(0),)}
     cols = {"shape": [64, 32], "_dtype": torch.float32, "_place": (Shard(1),)}
     assert M._local_bytes(rows, mesh) == (64 * 32, 64 * 32)

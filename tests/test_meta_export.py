@@ -11,53 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import autoshard
+from autoshard.runtime import export as R
+from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers
+from autoshard.passes.export import ExportError, simulate_export, simulate_run
 
-import autoshard  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers  # noqa: E402
-from autoshard.passes.export import ExportError, run_torchrun, simulate_export, simulate_run  # noqa: E402
-
-import hf_zoo  # noqa: E402
-from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
-
-MESH = {"dp": 2, "tp": 2}
-LAYOUT = {"batch": "dp", "heads": "tp", "kv_heads": "tp", "ffn": "tp"}
-DIMS = {**hf_zoo.TOKENS, **hf_zoo.LLAMA_DIMS}
-
-
-def hf_llama(device=None, dtype=None):
-    """(tiny HF Llama with seeded weights, or on ``device`` (meta), example kwargs)."""
-    cfg = AutoConfig.for_model("llama", **hf_zoo.DECODER)
-    torch.manual_seed(0)
-    if device is not None:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    else:
-        model = LlamaForCausalLM(cfg)
-    if dtype is not None:
-        model = model.to(dtype)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, cfg.vocab_size, (hf_zoo.BATCH, hf_zoo.SEQ), generator=g)
-    kwargs = {"input_ids": ids, "labels": torch.roll(ids, 1, dims=1)}
-    if device is not None:
-        kwargs = {k: v.to(device) for k, v in kwargs.items()}
-    return model.eval(), kwargs
-
-
-def plan_of(model, kwargs):
-    return autoshard.autoshard(model, (), kwargs=kwargs, mesh=autoshard.Mesh(MESH), dims=DIMS, layout=LAYOUT,
-                               train=True)
+from tests.helpers import hf_zoo
+from tests.helpers.hf_llama import hf_llama, plan_of, torchrun_losses
 
 
 @pytest.fixture(scope="module")
@@ -274,12 +240,6 @@ def test_example_llama_8b_meta_exports_and_trains_like_the_real_model(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_meta_export_from_weights_equals_the_real_export(exports, tmp_path):
-    losses = {}
-    for name, extra in (("real", []), ("meta", ["--weights", str(exports["ckpt"])])):
-        metrics = tmp_path / f"{name}.jsonl"
-        proc = run_torchrun(exports[name], 4, "--steps", "3", "--metrics", str(metrics), *extra, timeout=180,
-                            capture=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert len(losses["real"]) == 3
-    assert losses["meta"] == losses["real"]
+    want = torchrun_losses(exports["real"], tmp_path / "real.jsonl", "--steps", "3")
+    got = torchrun_losses(exports["meta"], tmp_path / "meta.jsonl", "--steps", "3", "--weights", str(exports["ckpt"]))
+    assert len(want) == 3 and got == want

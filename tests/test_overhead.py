@@ -4,8 +4,6 @@ On a mesh axis of size one a collective is its input: the program must not call 
 (no rendezvous, no bucket copies) and must still train exactly like the single-device model.
 Unit gradient packing writes each gradient once into the flat reduce-scatter buffer; a gradient
 bucket flattens its gradients into a buffer of its own and hands the sum back as views."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +14,8 @@ from autoshard.runtime import Backend, rank_context
 from autoshard.runtime.primitives.buckets import flatten, unflatten
 from autoshard.runtime.primitives.zero_units import pack_grads, pack_shards, unpack_full, unpack_shards
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread, train_steps  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread, train_steps
 
 
 class NoCalls(Backend):
@@ -44,7 +41,7 @@ def test_mesh_of_one_calls_no_backend_and_trains_exactly(stage):
         assert ctx.trace  # still recorded, as on any mesh
     params = {local.fqn_of[n]: p.detach() for n, p in local.named_parameters()}
     # Adam amplifies rounding in tiny gradients: within single-device training's own float32
-    # spread (float32 against float64, per parameter tensor; tests/exactness.py)
+    # spread (float32 against float64, per parameter tensor; tests/helpers/exactness.py)
     assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 
 

@@ -4,27 +4,22 @@ gradients: ``runtime/primitives/overlap_linear.py`` (the fused autograd node) an
 one bit for bit, and the all-reduce must be in flight while the weight gradients are computed."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import autoshard  # noqa: E402
-from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums  # noqa: E402
-from autoshard.runtime.primitives import collectives as C  # noqa: E402
-from autoshard.runtime import mark_varying, run_simulated  # noqa: E402
-from autoshard.runtime.transport.backend import Pending  # noqa: E402
-from autoshard.runtime.transport.rank_context import current  # noqa: E402
-from autoshard.runtime.primitives.overlap_linear import varying_linears  # noqa: E402
-from autoshard.runtime.transport import simulated  # noqa: E402
-from autoshard.runtime.transport.simulated import SimulatedBackend  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime import mark_varying, run_simulated
+from autoshard.runtime.transport.backend import Pending
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.primitives.overlap_linear import varying_linears
+from autoshard.runtime.transport import simulated
+from autoshard.runtime.transport.simulated import SimulatedBackend
+from examples.models import llama_tiny
+from tests.helpers.tp_transformer import transformer_plan
 
 aten = torch.ops.aten
 
@@ -178,59 +173,7 @@ def test_sum_is_in_flight_while_weight_gradients_are_computed(monkeypatch, gathe
 
 # ---- the pass, on tensor-parallel programs --------------------------------------------------
 
-class _Block(torch.nn.Module):
-    """Pre-norm attention and GELU MLP as in PyTorch's test Transformer (benchmarks/vs_pytorch.py)."""
-
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.attention_norm, self.ffn_norm = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.w1, self.w2 = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        h = self.attention_norm(x)
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
-                   for t in (self.wq(h), self.wk(h), self.wv(h)))
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.w2(torch.nn.functional.gelu(self.w1(self.ffn_norm(x))))
-
-
-class _Transformer(torch.nn.Module):
-    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=8):
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Embedding(seq, dim)
-        self.layers = torch.nn.ModuleList(_Block(dim, heads) for _ in range(layers))
-        self.norm = torch.nn.LayerNorm(dim)
-
-    def forward(self, tokens, labels):
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for layer in self.layers:
-            x = layer(x)
-        logits = torch.nn.functional.linear(self.norm(x), self.tok.weight)  # tied output head
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-TP_DIMS = {"tokens": "batch seq", "labels": "batch seq", "tok.weight": "vocab hidden",
-           "*.wq.weight": "heads hidden", "*.wk.weight": "heads hidden", "*.wv.weight": "heads hidden",
-           "*.wo.weight": "hidden heads", "*.w1.weight": "ffn hidden", "*.w1.bias": "ffn", "*.w2.weight": "hidden ffn"}
-
-
 SP = {"heads": "tp", "ffn": "tp", "vocab": "tp", "seq": "tp?"}
-
-
-def _transformer_plan(fuse=True, layout=None, **options):
-    torch.manual_seed(0)
-    model = _Transformer()
-    g = torch.Generator().manual_seed(1)
-    args = (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
-    plan = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"tp": 2}), dims=TP_DIMS,
-                               layout=layout or {"heads": "tp", "ffn": "tp", "vocab": "tp"}, train=True,
-                               search=False, **{"disable_passes": () if fuse else ("overlap_linear",), **options})
-    return plan, args
 
 
 def _fused_nodes(plan):
@@ -238,8 +181,8 @@ def _fused_nodes(plan):
 
 
 def test_pass_fuses_every_column_parallel_input_of_a_tp_transformer(monkeypatch):
-    plan, _ = _transformer_plan()
-    unfused, _ = _transformer_plan(fuse=False)
+    plan, _ = transformer_plan()
+    unfused, _ = transformer_plan(fuse=False)
     # per block the q/k/v input (three linears) and the MLP input (one, with bias); the head's input
     assert [len(n.args[2]) for n in _fused_nodes(plan)] == [3, 1, 3, 1, 1]
     assert not [n for n in plan.graph_module.graph.nodes if n.target is C.mark_varying]
@@ -254,8 +197,8 @@ def test_pass_fuses_every_column_parallel_input_of_a_tp_transformer(monkeypatch)
 
 
 def test_pass_fuses_the_gathers_of_a_sequence_parallel_transformer(monkeypatch):
-    plan, _ = _transformer_plan(layout=SP)
-    unfused, _ = _transformer_plan(fuse=False, layout=SP)
+    plan, _ = transformer_plan(layout=SP)
+    unfused, _ = transformer_plan(fuse=False, layout=SP)
     gathers = [n for n in unfused.graph_module.graph.nodes if n.target is C.all_gather_varying]
     # per block the q/k/v rows (three linears) and the MLP rows (one, with bias); the head's rows
     assert [(len(n.args[2]), n.kwargs.get("gather_dim")) for n in _fused_nodes(plan)] == [(3, 1), (1, 1)] * 2 + [(1, 1)]
@@ -268,8 +211,8 @@ def test_pass_fuses_the_gathers_of_a_sequence_parallel_transformer(monkeypatch):
 
 @pytest.mark.parametrize("options", [{}, {"checkpoint": True}, {"layout": SP}])
 def test_fused_plan_equals_unfused_bitwise(monkeypatch, options):
-    plan, args = _transformer_plan(**options)
-    unfused, _ = _transformer_plan(fuse=False, **options)
+    plan, args = transformer_plan(**options)
+    unfused, _ = transformer_plan(fuse=False, **options)
     assert _fused_nodes(plan)
     out, grads = plan.simulate_grads(*args)
     ref_out, ref_grads = unfused.simulate_grads(*args)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import Mesh
-from test_property import close
+from tests.helpers.exactness import close
 
 LAYERS = 2
 DIMS = {"x": "batch seq hidden", "*.q.weight": "heads hidden", "*.q.bias": "heads", "*.o.weight": "hidden heads",

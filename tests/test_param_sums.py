@@ -5,29 +5,23 @@ on gloo the sum must still be in flight while the rest of backward runs."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import fx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import autoshard  # noqa: E402
-from autoshard.passes.param_sums import LATER, sum_param_grads_later  # noqa: E402
-from autoshard.runtime import DistributedBackend, mark_varying, rank_context, run_simulated  # noqa: E402
-from autoshard.runtime.primitives import collectives as C  # noqa: E402
-from autoshard.runtime.primitives import param_sums  # noqa: E402
-from autoshard.runtime.transport import simulated  # noqa: E402
-from autoshard.runtime.transport.backend import Pending  # noqa: E402
-from autoshard.runtime.transport.rank_context import current  # noqa: E402
-from autoshard.runtime.transport.launch import spawn  # noqa: E402
-from autoshard.runtime.transport.simulated import SimulatedBackend  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
+import autoshard
+from autoshard.passes.param_sums import LATER, sum_param_grads_later
+from autoshard.runtime import DistributedBackend, mark_varying, rank_context, run_simulated
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.primitives import param_sums
+from autoshard.runtime.transport import simulated
+from autoshard.runtime.transport.backend import Pending
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.transport.launch import spawn
+from autoshard.runtime.transport.simulated import SimulatedBackend
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread
 
 SP = {"heads": "tp", "ffn": "tp", "seq": "tp?"}
 BF16 = {"param": torch.bfloat16, "reduce": torch.float32}
@@ -219,7 +213,7 @@ def test_plan_training_equals_synchronous_sums_bitwise(name, monkeypatch):
     # Bit for bit above: the same plan with its sums synchronous (same kernels, same order, on
     # any CPU). The single-device model sums in another order (BLAS kernels differ by CPU), and
     # Adam amplifies rounding in tiny gradients: within single-device training's own float32
-    # spread (float32 against float64, per parameter tensor; tests/exactness.py).
+    # spread (float32 against float64, per parameter tensor; tests/helpers/exactness.py).
     assert_training_within_spread(losses, params, model, steps, make_opt, microbatches=2)
 
 
@@ -295,7 +289,7 @@ def test_gloo_sums_run_under_backward_and_equal_the_simulation():
 
 @pytest.mark.slow
 def test_exported_program_prints_later_and_trains_on_gloo(tmp_path):
-    from test_export import torchrun
+    from tests.helpers.torchrun import torchrun
     plan, _, args = _sp_plan({"tp": 2})
     path = plan.export(tmp_path / "sp", args)
     assert (path / "program.py").read_text().count("later = True") == len(ROW_PARAMS)

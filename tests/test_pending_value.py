@@ -4,8 +4,6 @@ always the finished sum, whatever is done to it first."""
 import copy
 import io
 import pickle
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -18,9 +16,8 @@ from autoshard.runtime.transport.backend import Pending
 from autoshard.runtime.primitives.pending_value import PendingValue
 from passes.output_sums import LAZY
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exactness import assert_training_within_spread  # noqa: E402
-from test_grad_regions import PosModel, batch, plan_for, train_matches_single_device  # noqa: E402
+from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.pos_model import PosModel, batch, plan_for, train_matches_single_device
 
 
 class _Work:
@@ -169,4 +166,4 @@ def test_a_loss_read_through_pointwise_ops_stays_pending():
     assert plan.graph_module.code.count("lazy = True") == 1
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     losses, params = plan.simulate_train(steps, optimizer=make_opt)
-    assert_training_within_spread(losses, params, model, steps, make_opt)  # float32 spread (tests/exactness.py)
+    assert_training_within_spread(losses, params, model, steps, make_opt)  # float32 spread (tests/helpers/exactness.py)

@@ -5,8 +5,6 @@ The exactness matrix covers every schedule, every composition (pp alone, pp x dp
 pp x dp x tp, ZeRO-1/2/3 per stage, tied embeddings) and M=4 and M=8 at least once each,
 not their full product."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +16,8 @@ from autoshard.runtime import CollectiveError, current, run_simulated
 from autoshard.runtime.primitives.collectives import recv, send
 from autoshard.runtime.execution.schedules import Action, B, F, W, check_schedule, make_schedule
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
+from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.pipeline import masked_batch, pipeline_plan
 
 SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved", "zero_bubble"]
 
@@ -210,38 +207,12 @@ def test_point_to_point_failures_are_reported():
 # --------------------------------------------------------------------------- training
 
 
-def masked_batch(batch=16, layers=8, **config):
-    """Llama-style model with 8 layers; labels masked so microbatches have different numbers
-    of valid tokens (one row entirely masked)."""
-    model, (ids, _, labels), dims = llama_tiny(with_labels=True, batch=batch, num_layers=layers, **config)
-    labels = labels.clone()
-    for row in range(batch):
-        labels[row, : row % 5] = -100
-    labels[3] = -100
-    return model, (ids, None, labels), dims
-
-
-MESHES = {
-    "pp2": ({"pp": 2}, {"batch": None}),
-    "pp4": ({"pp": 4}, {"batch": None}),
-    "pp2xdp2": ({"pp": 2, "dp": 2}, {"batch": "dp"}),
-    "pp2xtp2": ({"pp": 2, "tp": 2}, {"batch": None, "heads": "tp", "ffn": "tp"}),
-    "pp2xdp2xtp2": ({"pp": 2, "dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"}),
-}
-
-
-def pipeline_plan(model, args, dims, mesh, schedule, m, zero=None, **pipeline):
-    axes, layout = MESHES[mesh]
-    return autoshard.autoshard(model, args, mesh=Mesh(axes), dims=dims, layout=layout, train=True, zero_stage=zero,
-                               pipeline={"microbatches": m, "schedule": schedule, **pipeline})
-
-
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)  # noqa: E731
 
 
 def assert_trains_like(plan, model, args, make_opt):
     """3 steps on the simulated mesh equal 3 single-device steps on the whole batch, within the
-    float32 spread of single-device training (float32 against float64: tests/exactness.py)."""
+    float32 spread of single-device training (float32 against float64: tests/helpers/exactness.py)."""
     losses, params = plan.simulate_train([args] * 3, optimizer=make_opt)
     assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 

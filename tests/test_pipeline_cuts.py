@@ -8,8 +8,6 @@ cost model's op times) with the planner."""
 import itertools
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ from autoshard.cost.pipeline import choose_cuts, unit_seconds
 from autoshard.passes.pipeline import cut_profile
 from autoshard.pipeline_plan import best_cuts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from examples.models import gpt2_tiny, llama_tiny
 
 
 def brute_force(units, nbytes, allowed, stages):
@@ -83,8 +80,8 @@ def test_chosen_cuts_are_the_brute_force_optimum(make, config):
 
 def test_heavy_head_gets_fewer_blocks():
     """Large vocabulary, small hidden: the output projection and loss outweigh blocks, so the
-    last stage takes fewer blocks than the first (seed 000: equal layer counts do not imply
-    equal stage times); with a small vocabulary the blocks split evenly."""
+    last stage takes fewer blocks than the first (equal layer counts do not imply equal
+    stage times); with a small vocabulary the blocks split evenly."""
     def blocks(plan):
         return [sum(1 for p in s.params if p.startswith("layers.") and p.endswith("q_proj.weight"))
                 for s in plan.stages]

@@ -5,7 +5,8 @@ The model is 70B-shaped in its widths (hidden 8192, 64 heads, 8 KV heads, ffn 28
 128256) with 4 layers instead of 80 on 16 devices instead of 64, so torch.export and the search take
 seconds on this shared machine; the memory limits are scaled with it (benchmarks/search_70b.py
 plans the 80 layers on 64 devices at 80 GB). The layout of the other axes is fixed Megatron-style (tp inside a stage, as
-seed 003 §13.6) with ZeRO off, so that the state per rank only shrinks with tp or pp.
+in Megatron-LM's 3D parallelism, Narayanan et al., 2021) with ZeRO off, so that the state per rank
+only shrinks with tp or pp.
 """
 import pytest
 
@@ -33,7 +34,8 @@ def _plan(model70, limit, captured=None, checkpoint=None):
 
 
 def test_in_flight_per_schedule():
-    # GPipe holds every microbatch, 1F1B at most the pipeline depth (seed 003 §13.5.1)
+    # GPipe holds every microbatch (Huang et al., 2019), 1F1B at most the pipeline depth
+    # (PipeDream-Flush, Narayanan et al., 2021)
     assert in_flight("gpipe", 2, 8) == 8
     assert in_flight("1f1b", 2, 8) == 2 and in_flight("1f1b", 4, 2) == 2
     assert in_flight("zero_bubble", 4, 8) <= 4

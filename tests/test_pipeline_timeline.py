@@ -1,8 +1,7 @@
 """Pipeline timelines: the predicted schedule of a plan (cost-model stage times run through its
-action lists) reproduces the seeds' bubble figures, and the measured trace of a step records
+action lists) reproduces GPipe's bubble (p-1)/(m+p-1) (Huang et al., 2019), and the measured trace of a step records
 every action of every rank in dependency order."""
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,8 +13,7 @@ from autoshard import Mesh
 from autoshard.cost.pipeline import bubble, schedule_timeline
 from autoshard.runtime.execution.schedules import dependencies, make_schedule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
+from tests.helpers.pipeline import masked_batch, pipeline_plan
 
 
 class Block(torch.nn.Module):
@@ -51,21 +49,21 @@ def balanced_plan(pp, m, schedule, virtual=1):
 def gpipe_bubble(times, m):
     """GPipe's idle fraction with free transfers for stage times (f, b, w) per stage: the last
     microbatch's forward ends after every stage's forward and M - 1 of the slowest one's, and
-    backward likewise. With K equal stages it is the seeds' (K-1)/(M+K-1)."""
+    backward likewise. With K equal stages it is GPipe's (K-1)/(M+K-1)."""
     fw, bw = [t[0] for t in times], [t[1] + t[2] for t in times]
     span = sum(fw) + (m - 1) * max(fw) + sum(bw) + (m - 1) * max(bw)
     return 1 - m * (sum(fw) + sum(bw)) / (len(times) * span), span
 
 
 @pytest.mark.parametrize("k,m,expected", [(4, 8, 3 / 11), (4, 32, 3 / 35), (2, 16, 1 / 17)])
-def test_gpipe_bubble_of_the_predicted_timeline_is_the_seeds(k, m, expected):
-    """Seed 000/003: GPipe's idle fraction (K-1)/(M+K-1) with equal stages and free transfers;
+def test_gpipe_bubble_of_the_predicted_timeline(k, m, expected):
+    """GPipe's idle fraction (K-1)/(M+K-1) (Huang et al., 2019) with equal stages and free transfers;
     the toy's stages are equal but for its scalar loss on the last one, so the timeline has the
-    bubble of those stage times, which the loss can only lengthen past the seeds'."""
+    bubble of those stage times, which the loss can only lengthen past the formula's."""
     plan = balanced_plan(k, m, "gpipe")
     times = plan.stage_times()
     assert len(set(times[:-1])) == 1 and times[0][0] > 0  # the blocks' stages are equal
-    assert gpipe_bubble([times[0]] * k, m)[0] == pytest.approx(expected, rel=1e-9)  # the seeds' formula
+    assert gpipe_bubble([times[0]] * k, m)[0] == pytest.approx(expected, rel=1e-9)  # GPipe's formula
     tl = plan.predicted_timeline(transfers=False)
     general, span = gpipe_bubble(times, m)
     assert bubble(tl) == pytest.approx(general, rel=0.01) and general >= expected
@@ -77,7 +75,7 @@ def test_interleaving_halves_and_zero_bubble_shrinks_the_bubble():
     one = bubble(balanced_plan(4, 8, "1f1b").predicted_timeline(transfers=False))
     inter = bubble(balanced_plan(4, 8, "interleaved", virtual=2).predicted_timeline(transfers=False))
     zb = bubble(balanced_plan(4, 8, "zero_bubble").predicted_timeline(transfers=False))
-    assert one >= 3 / 11  # the seeds' 1F1B bubble, lengthened by the last stage's loss
+    assert one >= 3 / 11  # 1F1B's bubble (K-1)/(M+K-1), lengthened by the last stage's loss
     # idle time relative to work: (K-1)/M for 1F1B, (K-1)/(vM) interleaved (Megatron's paper)
     overhead = lambda b: b / (1 - b)  # noqa: E731
     assert overhead(inter) == pytest.approx(overhead(one) / 2, rel=0.01)

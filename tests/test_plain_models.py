@@ -1,7 +1,7 @@
-"""Plain-PyTorch models (``tests/plain_models.py``) planned as practitioners lay them out, with
+"""Plain-PyTorch models (``tests/helpers/plain_models.py``) planned as practitioners lay them out, with
 ``strict=True`` (nothing the layout shards is gathered whole in forward): data parallel, and
 Megatron tensor parallel on top (heads and ffn on tp). Each plan equals the unsharded model
-(loss and every gradient, ``tests/exactness.py``) and runs the textbook forward collectives: the
+(loss and every gradient, ``tests/helpers/exactness.py``) and runs the textbook forward collectives: the
 loss's sum and count on dp, one tp all-reduce per row-parallel linear (two per layer).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import autoshard
 from autoshard import Mesh
 from autoshard.passes.rules import rule_for
 
-import plain_models
-from exactness import assert_exact, block_of
+from tests.helpers import plain_models
+from tests.helpers.exactness import assert_exact, block_of
 
 aten = torch.ops.aten
 

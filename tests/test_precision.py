@@ -97,15 +97,13 @@ def test_held_bytes_equal_state_bytes_with_masters(stage):
     predicted = plan.state_bytes(optimizer_states=2)
     assert all(h == predicted for h in run_simulated(plan.mesh, rank_fn))
     n = sum(p.numel() for p in model.parameters()) // (2 if stage == 3 else 1)
-    # seed 003: bf16 weights and gradients, fp32 master and two fp32 Adam moments (2 + 2 + 12 bytes)
+    # ZeRO's accounting (Rajbhandari et al., 2020): bf16 weights and gradients, fp32 master and
+    # two fp32 Adam moments (2 + 2 + 12 bytes)
     assert predicted == {"params": 2 * n, "grads": 2 * n, "optimizer": 12 * n}
     assert plan.cost["memory"]["optimizer"] == 12 * n
 
 
 def test_export_runs_in_bf16_and_checks_at_bf16_precision(tmp_path):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from examples.models import llama_tiny
     from autoshard.passes.export import simulate_export
     model, args, dims = llama_tiny(with_labels=True)

@@ -15,7 +15,7 @@ from autoshard import Mesh
 from autoshard.runtime import DistributedBackend, rank_context, run_simulated
 from autoshard.runtime.transport.launch import SpawnError, spawn
 
-from test_runtime import MESHES, TABLE, build_case, check_mlp_dp_tp, mlp_dp_tp_rank, run_case_on_rank
+from tests.helpers.collective_cases import MESHES, TABLE, build_case, check_mlp_dp_tp, mlp_dp_tp_rank, run_case_on_rank
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,6 @@ import collections
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +18,8 @@ from autoshard.cost import DeviceSpec, Hardware, LinkSpec, load_hardware
 from autoshard.cost.model import CostModel, Comm, Ready, Segment, simulate
 from autoshard.cost.search import SearchSpace, factorizations, search_layout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact, block_of  # noqa: E402
-from examples.models import llama_8b_meta, llama_tiny  # noqa: E402
+from tests.helpers.exactness import assert_exact, block_of
+from examples.models import llama_8b_meta, llama_tiny
 
 # Compute-bound toy hardware: slow device, fast links (so splitting work pays off on tiny models).
 SLOW = Hardware("slow-compute", DeviceSpec("slow", {"fp32": 1e9}, mem_bandwidth=1e10, mem_capacity=1e12),

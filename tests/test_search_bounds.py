@@ -10,8 +10,6 @@ every candidate that the sequential bound (compute + optimizer + ``comm_bound``)
 one exceeds the cost of ``dp: seq, tp: hidden`` on the dp=2 x tp=2 Llama by 2.4%:
 ``comm_bound`` counts more tp all-reduce time than the plan has; an open issue of that bound.)
 """
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +18,7 @@ from autoshard.cost import load_hardware
 from autoshard.cost.model import CostModel
 from autoshard.cost.search import SearchSpace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_search_exhaustive import STRUCTURED, prepared, random_case  # noqa: E402
+from tests.helpers.search_cases import STRUCTURED, prepared, random_case
 
 # training cases of random_case with small spaces (1- and 2-axis meshes, overlap on and off)
 SEEDS = [0, 1, 3, 4, 9, 20, 29]

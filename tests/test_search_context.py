@@ -11,7 +11,7 @@ from autoshard import Mesh
 from autoshard.runtime.primitives.ring_attention import allgather_attention, ring_attention
 
 from examples.models import llama_8b_meta, llama_tiny
-from exactness import assert_exact
+from tests.helpers.exactness import assert_exact
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -67,7 +67,7 @@ def test_search_chosen_context_parallel_plan_is_exact():
 
 
 def test_8b_131072_tokens_search_chooses_context_parallelism():
-    # Seed 003 §13.5.4's setting: the 8B Llama shape (32 layers, 32 heads, 8 kv heads, d=128,
+    # Ring attention's long-context setting: the Llama-3-8B shape (32 layers, 32 heads, 8 kv heads, d=128,
     # vocab 128256, bf16) on meta, one sequence of 131072 tokens, 8 H100s, 80 GB each.
     model, args, dims = llama_8b_meta(batch=1, seq=131072)
     plan = autoshard.autoshard(model, args, mesh=Mesh.auto(8, ("tp", "cp")), dims=dims, hardware="h100",

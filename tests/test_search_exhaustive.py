@@ -8,128 +8,27 @@
 - Exactness: every candidate the search can return for the Llama-style and GPT-2-style examples
   on a 4-rank mesh reproduces the single-device outputs and gradients on the simulated mesh.
 
-Rerun one case with ``python tests/test_search_exhaustive.py SEED``.
+Rerun one case with ``python -m tests.test_search_exhaustive SEED`` (from the repository root).
 """
 import math
-import random
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import autoshard
 from autoshard import Mesh
-from autoshard.cost import DeviceSpec, Hardware, LinkSpec, load_hardware
+from autoshard.cost import load_hardware
 from autoshard.cost.model import CostModel, program_cost
 from autoshard.cost.search import SearchSpace, search_layout
 from autoshard.cost.recompute import checkpointed_program_cost
-from autoshard.passes.capture import capture
-from autoshard.passes.dims import infer_dims
-from autoshard.api import apply_dim_names
 from autoshard.plan import Plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
+from examples.models import gpt2_tiny, llama_tiny
+from tests.helpers.search_cases import STRUCTURED, prepared, random_case
 
 
-# --------------------------------------------------------------------------- random programs
-
-
-class Block(nn.Module):
-    def __init__(self, kind, hidden, ffn, heads, head_dim):
-        super().__init__()
-        self.kind = kind
-        self.norm = nn.LayerNorm(hidden)
-        if kind in ("mlp", "both"):
-            self.up = nn.Linear(hidden, ffn, bias=False)
-            self.down = nn.Linear(ffn, hidden, bias=True)
-        if kind in ("attn", "both"):
-            self.heads, self.head_dim = heads, head_dim
-            self.q = nn.Linear(hidden, heads * head_dim, bias=False)
-            self.k = nn.Linear(hidden, heads * head_dim, bias=False)
-            self.v = nn.Linear(hidden, heads * head_dim, bias=False)
-            self.o = nn.Linear(heads * head_dim, hidden, bias=False)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        if self.kind in ("attn", "both"):
-            h = self.norm(x)
-            q, k, v = (p(h).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
-        if self.kind in ("mlp", "both"):
-            x = x + self.down(F.gelu(self.up(self.norm(x) if self.kind == "mlp" else x)))
-        return x
-
-
-class RandomNet(nn.Module):
-    """Embedding (or a linear input layer), identical residual blocks, head, summed loss."""
-
-    def __init__(self, r: random.Random):
-        super().__init__()
-        self.hidden = r.choice([8, 16, 24])
-        self.ffn = r.choice([8, 16, 32, 48])
-        self.heads, self.head_dim = r.choice([(2, 4), (4, 2), (2, 2)])
-        self.vocab = r.choice([None, 16, 32])
-        kind = r.choice(["mlp", "attn", "both"])
-        n = r.choice([1, 2, 4, 5])
-        self.inp = nn.Embedding(self.vocab, self.hidden) if self.vocab else nn.Linear(6, self.hidden, bias=False)
-        self.layers = nn.ModuleList(Block(kind, self.hidden, self.ffn, self.heads, self.head_dim) for _ in range(n))
-        self.head = nn.Linear(self.hidden, self.vocab or 6, bias=False)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return (self.head(h) ** 2).sum()
-
-    def dims(self):
-        d = {"x": "batch seq" if self.vocab else "batch seq feat", "head.weight": "out hidden"}
-        kind = self.layers[0].kind
-        if kind in ("mlp", "both"):
-            d.update({"*.up.weight": "ffn hidden", "*.down.weight": "hidden ffn"})
-        if kind in ("attn", "both"):
-            d.update({"*.q.weight": "heads hidden", "*.k.weight": "heads hidden", "*.v.weight": "heads hidden",
-                      "*.o.weight": "hidden heads"})
-        d["inp.weight"] = "vocab hidden" if self.vocab else "hidden feat"
-        return d
-
-
-def random_hardware(r: random.Random) -> Hardware:
-    dev = DeviceSpec("rand", {"fp32": 10 ** r.uniform(7, 11)}, mem_bandwidth=10 ** r.uniform(8, 11),
-                     mem_capacity=1e12, op_overhead=r.choice([0.0, 1e-6]))
-    fast = LinkSpec(10 ** r.uniform(8, 11), latency=10 ** r.uniform(-7, -4), domain_size=2, name="fast")
-    slow = LinkSpec(10 ** r.uniform(7, 10), latency=10 ** r.uniform(-6, -3), name="slow")
-    return Hardware("rand", dev, (fast, slow))
-
-
-def random_case(seed: int):
-    r = random.Random(seed)
-    torch.manual_seed(seed)
-    model = RandomNet(r)
-    batch, seq = r.choice([2, 4, 8]), r.choice([4, 8])
-    x = torch.randint(0, model.vocab, (batch, seq)) if model.vocab else torch.randn(batch, seq, 6)
-    mesh = Mesh(r.choice([{"x": 2}, {"x": 4}, {"a": 2, "b": 2}]))
-    train = r.random() < 0.5
-    return model, (x,), model.dims(), mesh, CostModel(random_hardware(r), overlap=r.random() < 0.7), train, r
-
-
-STRUCTURED = {
-    "llama-dp2tp2": lambda: (llama_tiny(with_labels=True), Mesh({"dp": 2, "tp": 2}), "h100", False),
-    "llama-tp4-train": lambda: (llama_tiny(with_labels=True), Mesh({"tp": 4}), "h100", True),
-    "llama5-tp2-train": lambda: (llama_tiny(with_labels=True, num_layers=5), Mesh({"tp": 2}), "cpu-gloo", True),
-    "gpt2-tp4": lambda: (gpt2_tiny(with_labels=True), Mesh({"tp": 4}), "cpu-gloo", False),
-}
-
-
-def prepared(model, args, dims):
-    cap = capture(model, args)
-    info = infer_dims(cap.graph, {i.name: i.target for i in cap.inputs})
-    apply_dim_names(info, cap, dims)
-    return cap, info
+# --------------------------------------------------------------------------- optimality
 
 
 def exhaustive_minimum(cap, info, mesh, cm, train, memory_limit):
@@ -279,7 +178,7 @@ def test_every_candidate_exact_dp2xtp2(factory):
     assert checked >= total // every - 1 and total > 50
 
 
-if __name__ == "__main__":  # python tests/test_search_exhaustive.py SEED
+if __name__ == "__main__":  # python -m tests.test_search_exhaustive SEED
     seed = int(sys.argv[1])
     model, args, dims, mesh, cm, train, _ = random_case(seed)
     print(model, mesh, cm, "train" if train else "forward")

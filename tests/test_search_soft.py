@@ -1,5 +1,5 @@
 """The layout search over soft entries (sequence parallelism when activations do not fit) and over
-parameter dims nobody named (Megatron found with only the inputs named): issue 12, parts 1 and 3."""
+parameter dims nobody named (Megatron found with only the inputs named)."""
 import collections
 import copy
 import re
@@ -10,7 +10,7 @@ import autoshard
 from autoshard import Mesh
 from autoshard.passes.param_names import module_label
 from examples.models import llama_tiny
-from tests.exactness import assert_exact, block_of
+from tests.helpers.exactness import assert_exact, block_of
 
 INPUTS_ONLY = {"input_ids": "batch seq", "labels": "batch seq"}
 
@@ -152,7 +152,7 @@ def test_unannotated_gpt2_search_shards_attention_and_mlp():
     all-gather of the fused q|k|v before its split (README, known limits: no strided sharding)."""
     import torch
     from examples.models import gpt2_tiny
-    from tests.exactness import assert_grads_within_spread
+    from tests.helpers.exactness import assert_grads_within_spread
     model, args, _ = gpt2_tiny(with_labels=True, batch=2, seq=128, hidden_size=1024, intermediate_size=4096,
                                num_heads=16, max_seq_len=128)
     plan = autoshard.autoshard(copy.deepcopy(model), args, mesh=Mesh({"tp": 4}), dims=INPUTS_ONLY,
@@ -164,7 +164,7 @@ def test_unannotated_gpt2_search_shards_attention_and_mlp():
     out, grads = plan.simulate_grads(*args)
     # Row-parallel contractions (4096 ffn, 1024 heads) are summed as 4 partial sums by the
     # all-reduce, the reference sums them in one BLAS call: within the float32 spread of the
-    # unsharded model's own gradients (float32 against float64, per tensor: tests/exactness.py)
+    # unsharded model's own gradients (float32 against float64, per tensor: tests/helpers/exactness.py)
     assert_grads_within_spread(out, grads, model, args)
 
 

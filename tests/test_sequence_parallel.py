@@ -11,7 +11,7 @@ import autoshard
 from autoshard import LayoutError
 from autoshard.passes.soft import is_soft, split_soft
 from examples.models import llama_tiny
-from tests.exactness import assert_exact, block_of
+from tests.helpers.exactness import assert_exact, block_of
 
 SP = {"heads": "tp", "ffn": "tp", "seq": "tp?"}
 MESHES = [{"tp": 2}, {"tp": 4}, {"dp": 2, "tp": 2}]

@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autoshard import Mesh  # noqa: E402
-from autoshard.runtime import CollectiveError, DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.transport import shm  # noqa: E402
-from autoshard.runtime.transport.launch import spawn  # noqa: E402
+from autoshard import Mesh
+from autoshard.runtime import CollectiveError, DistributedBackend, rank_context
+from autoshard.runtime.transport import shm
+from autoshard.runtime.transport.launch import spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shm.usable_here(), reason="shared memory needs x86-64")]
 

@@ -7,19 +7,17 @@ import json
 import math
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import autoshard  # noqa: E402
-from autoshard.mesh import Mesh  # noqa: E402
-from autoshard.runtime import export as R  # noqa: E402
-from autoshard.passes.export import simulate_run  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+import autoshard
+from autoshard.mesh import Mesh
+from autoshard.runtime import export as R
+from autoshard.passes.export import simulate_run
+from examples.models import llama_tiny
+from tests.helpers.train_loop import expected_lr
 
 B, S, VOCAB = 4, 8, 64
 LOOP = ["--lr-schedule", "cosine", "--warmup", "2", "--clip-grad-norm", "1.0", "--lr", "1e-2"]
@@ -35,13 +33,6 @@ def export(tmp_path_factory):
     tokens = torch.randint(0, VOCAB, (B * S * 5 + 3,), generator=torch.Generator().manual_seed(7))
     tokens.numpy().astype(np.uint16).tofile(base / "tokens.bin")
     return path, tokens, base
-
-
-def expected_lr(s, lr=1e-2, warmup=2, total=6):
-    """The schedule, written out: linear warmup, then cosine to 0 (s: 0-based step)."""
-    if s < warmup:
-        return lr * (s + 1) / warmup
-    return lr * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
 
 
 def eager(tokens, steps, total):

@@ -1,8 +1,6 @@
 """Training plans: data parallelism, ZeRO-1/2/3, sharded optimizers, loss normalization and
 gradient accumulation, each checked against single-device training."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +12,8 @@ from autoshard.cost import collective_bytes, model_state_bytes
 from autoshard.ownership import local_piece
 from autoshard.runtime import run_simulated
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import SPREAD_FACTOR, assert_training_within_spread, reference_train  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.exactness import SPREAD_FACTOR, assert_training_within_spread, reference_train
 
 LEVELS = [(0, None), (1, None), (2, None), (3, True), (3, False)]
 LEVEL_IDS = ["ddp", "zero1", "zero2", "zero3-reshard", "zero3-keep"]
@@ -28,7 +25,7 @@ def plan_for(model, args, dims, mesh, layout, stage, reshard):
                                zero_stage=stage, reshard_after_forward=reshard)
 
 
-# --------------------------------------------------------------------------- seed example
+# --------------------------------------------------------------------------- worked example
 
 
 class Contribution(nn.Module):
@@ -42,9 +39,10 @@ class Contribution(nn.Module):
         return (c * self.p).sum(-1).mean()
 
 
-def test_seed_fsdp_momentum_update():
-    """Seed 003, "From gradient shards to updated parameters": two ranks, fully sharded,
-    SGD lr 0.1 momentum 0.9 -> [0.755, 1.645, 2.31, 3.29]."""
+def test_fsdp_momentum_update():
+    """From gradient shards to updated parameters: two ranks, fully sharded, p = [1, 2, 3, 4],
+    mean gradient g = [2, 4, 6, 8], PyTorch SGD lr 0.1 momentum 0.9 from v = [0.5, -0.5, 1, -1]:
+    v' = 0.9 v + g = [2.45, 3.55, 6.9, 7.1], p' = p - 0.1 v' = [0.755, 1.645, 2.31, 3.29]."""
     model = Contribution()
     c = torch.tensor([[1.0, 2.0, 3.0, 4.0], [3.0, 6.0, 9.0, 12.0]])  # one row per data rank
     plan = autoshard.autoshard(model, (c,), mesh=Mesh({"dp": 2}), dims={"c": "batch d", "p": "d"},
@@ -84,7 +82,7 @@ def test_adamw_training_matches_single_device(mesh, layout, stage, reshard):
     # Adam divides by sqrt(v) + eps: an element whose gradient is a few eps turns a rounding-level
     # difference of the gradient (another summation order: ranks, or another CPU's BLAS kernel)
     # into a visible one of the update. The bound is the float32 spread of single-device training
-    # itself (float32 against float64, per parameter tensor; tests/exactness.py says how).
+    # itself (float32 against float64, per parameter tensor; tests/helpers/exactness.py says how).
     assert_training_within_spread(losses, params, model, [args] * 3, make_opt)
 
 
@@ -108,7 +106,7 @@ def test_the_spread_bound_accepts_float32_rounding_and_refuses_a_lost_gradient_s
 @pytest.mark.parametrize("stage,reshard", LEVELS, ids=LEVEL_IDS)
 def test_sgd_momentum_training_is_exact(stage, reshard):
     """SGD is linear in the gradient: the parameters carry the gradients' rounding unamplified,
-    within the float32 spread of single-device training (tests/exactness.py)."""
+    within the float32 spread of single-device training (tests/helpers/exactness.py)."""
     model, args, dims = llama_tiny(with_labels=True)
     mesh, layout = MESHES[1]
     plan = plan_for(model, args, dims, mesh, layout, stage, reshard)
@@ -131,7 +129,7 @@ def dp_schedule(plan):
     return per_param
 
 
-# Seed 003, Table 13.2, per parameter and step: DDP all-reduces gradients; ZeRO-1 all-reduces
+# ZeRO's stages (Rajbhandari et al., 2020), per parameter and step: DDP all-reduces gradients; ZeRO-1 all-reduces
 # them and all-gathers updated slices; ZeRO-2 reduce-scatters them and all-gathers updated
 # slices; ZeRO-3 gathers before forward (and again before backward when it resharded) and
 # reduce-scatters gradients.
@@ -187,7 +185,7 @@ def moved_bytes(plan, fqn, ranks):
 
 
 def test_full_sharding_moves_one_and_a_half_times_ddp():
-    """Seed 003: full sharding costs about 1.5x plain data parallelism (gather for forward,
+    """Full sharding (ZeRO-3, Rajbhandari et al., 2020) costs about 1.5x plain data parallelism (gather for forward,
     gather again for backward, reduce-scatter vs one all-reduce), per parameter that backward
     reads; keeping the gathered parameter through backward removes the second gather."""
     torch.manual_seed(0)
@@ -289,7 +287,7 @@ def test_gradient_buckets_fill_in_backward_order_and_overlap_backward():
     assert "lm_head.weight" in first and "embed_tokens.weight" in last
     make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     losses, params = plan.simulate_train([args], optimizer=make_opt)
-    assert_training_within_spread(losses, params, model, [args], make_opt)  # float32 spread (tests/exactness.py)
+    assert_training_within_spread(losses, params, model, [args], make_opt)  # float32 spread (tests/helpers/exactness.py)
     tags = [tag for tag, _ in plan.program.buckets]
     for trace in plan.last_trace:
         order = [r.tag for r in trace if r.op == "grad_bucket"]

@@ -2,8 +2,6 @@
 Grouping moves the same values, so every policy trains bit for bit like one collective per
 parameter; the plan lists one all-gather and one reduce-scatter per unit with its parameters."""
 import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,8 @@ from autoshard.passes.zero_units import unit_of
 from autoshard.runtime import all_gather_varying, run_simulated
 from autoshard.runtime.primitives.collectives import gather_unit, start_gather_unit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.pos_model import Embedded
 
 MESH, LAYOUT = {"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"}
 
@@ -143,27 +141,6 @@ def test_backward_prefetch_looks_past_a_small_unit():
         assert started == [3, 2, 1]
 
 
-class _Embedded(torch.nn.Module):
-    """Token and position embeddings, then two blocks and a head, plus a penalty on the position
-    table: its gradient comes in whole there, so the table stays out of the units (gathered for
-    replicated use by a plain all_gather between them, its rows' gradient summed where they meet
-    the tokens', passes/grad_regions.py)."""
-
-    def __init__(self, vocab=16, seq=8, dim=8):
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Embedding(seq, dim)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens, labels):
-        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
-        for layer in self.layers:
-            h = h + torch.tanh(layer(h))
-        loss = torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
-        return loss + 1e-2 * self.pos.weight.pow(2).mean()
-
-
 def test_unit_collectives_do_not_hold_up_the_plain_ones_between_units():
     """A group runs its collectives one after another. Forward: the position table's
     all_gather must not queue behind the first block's prefetched gather, so that gather
@@ -176,7 +153,7 @@ def test_unit_collectives_do_not_hold_up_the_plain_ones_between_units():
     out = {}
     for units in ("param", "block"):
         torch.manual_seed(0)
-        plan = autoshard.autoshard(_Embedded(), (tokens, labels), mesh=Mesh({"dp": 2}),
+        plan = autoshard.autoshard(Embedded(), (tokens, labels), mesh=Mesh({"dp": 2}),
                                    dims={"tokens": "batch seq", "labels": "batch seq"}, layout={"batch": "dp"},
                                    train=True, search=False, zero_stage=3, units=units)
         out[units] = plan.simulate_train([(tokens, labels)] * 2, optimizer=adamw)

@@ -2,8 +2,6 @@
 logits split by class on a mesh axis sends the softmax statistics, not the logits, and stays
 exact against the unsharded model (fp32 bounds: the sum of exp is added per rank, then across
 ranks)."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +15,8 @@ from autoshard.runtime.transport.launch import spawn
 from autoshard.runtime.primitives.vocab_parallel import vocab_parallel_cross_entropy
 from autoshard.cost.model import Comm, program_events, resolve_cost_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exactness import assert_exact, assert_trains_like_single_device, train_steps  # noqa: E402
-from examples.models import llama_tiny  # noqa: E402
+from tests.helpers.exactness import assert_exact, assert_trains_like_single_device, train_steps
+from examples.models import llama_tiny
 
 VOCAB, DIM = 32, 12
 

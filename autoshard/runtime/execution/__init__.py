@@ -1,1 +1,1 @@
-"""Execution: running a per-rank program (LocalModule, the sharded optimizer), pipeline schedules, saved state (distributed checkpoints), gradient clipping, inputs and the timeline."""
+"""Execution: running a per-rank program (LocalModule, the sharded optimizer), pipeline schedules, saved state (distributed checkpoints), gradient clipping, gradient accumulation, inputs, the timeline, and the check that every rank sees the same checkpoint directory and data."""

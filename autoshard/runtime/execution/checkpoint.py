@@ -432,16 +432,18 @@ def load(local, optimizer, path, *, strict: bool = True) -> dict:
     """Read this rank's pieces of ``local``'s parameters and buffers and of ``optimizer``'s state
     (created as needed) from the checkpoint at ``path``, whatever plan wrote it; returns the
     manifest (``step``, ``extra``, ...). Call inside the rank context (no communication).
-    ``strict``: every parameter, buffer and optimizer state must be in the checkpoint (with
+    ``path`` may be a run's ``--ckpt`` directory: its newest complete checkpoint, as
+    ``--resume`` chooses (:func:`resolve`). ``strict``: every parameter, buffer and optimizer state must be in the checkpoint (with
     ``strict=False`` missing buffers keep their values). Raises CheckpointError naming the
     first missing or mis-shaped tensor, before anything is read.
 
     Example::
 
         info = load(local, opt, "ckpt/step-10")     # info["step"] == 10
+        info = load(local, opt, "ckpt")             # the newest complete step-* of a --ckpt directory
     """
     ctx = current("load_checkpoint")
-    path = Path(path)
+    path = resolve(path)
     manifest = read_manifest(path)
     reader = FileSystemReader(path)
     try:
@@ -511,8 +513,9 @@ def load(local, optimizer, path, *, strict: bool = True) -> dict:
 
 def load_global(path, prefix: str = "") -> dict:
     """{key: whole tensor} of every saved tensor whose key starts with ``prefix`` (one process;
-    no rank context needed). Reads everything: for models that fit in this process's memory."""
-    path = Path(path)
+    no rank context needed). Reads everything: for models that fit in this process's memory.
+    ``path`` may be a ``--ckpt`` directory (its newest complete checkpoint)."""
+    path = resolve(path)
     read_manifest(path)
     reader = FileSystemReader(path)
     metadata = reader.read_metadata()
@@ -528,15 +531,29 @@ def load_global(path, prefix: str = "") -> dict:
     return {k: p.local for k, p in state.items()}
 
 
-def consolidate(path) -> dict:
+def consolidate(path, out=None, *, format: str = "safetensors", like=None, max_shard_size="5GB",
+                weights_prefix: str | None = None, overwrite: bool = False):
     """The model's state dict from a checkpoint written under any plan: {FQN: whole tensor},
     tied aliases included, loadable with ``model.load_state_dict(state, strict=True)``.
+
+    With ``out``: the model written to the directory ``out`` as ``save_pretrained`` writes it
+    (``format="safetensors"``: shards of at most ``max_shard_size`` and their index, config and
+    tokenizer files copied from the Hugging Face directory ``like``, ``weights_prefix`` removed
+    from the keys), one tensor in memory at a time; returns ``out``
+    (:mod:`autoshard.runtime.execution.hf_consolidate`). ``path`` may be a run's ``--ckpt`` directory:
+    its newest complete checkpoint, as ``--resume`` chooses.
 
     Example::
 
         model.load_state_dict(autoshard.consolidate("ckpt/step-10"))
         model.load_state_dict(autoshard.consolidate("ckpt"))   # a run's --ckpt: its newest verified one
+        autoshard.consolidate("ckpt", out="llama-trained", like="llama-hf")   # from_pretrained("llama-trained")
     """
+    if out is not None:
+        # deferred: hf_consolidate builds on this module (a cycle at import time)
+        from .hf_consolidate import write_hf
+        return write_hf(path, out, format=format, like=like, max_shard_size=max_shard_size,
+                        weights_prefix=weights_prefix, overwrite=overwrite)
     path = resolve(path)
     manifest = read_manifest(path)
     state = {k[len(MODEL):]: v for k, v in load_global(path, MODEL).items()}
@@ -608,8 +625,9 @@ def resolve(path, skipped: list | None = None) -> Path:
         newest = resolve("ck", skipped)     # ck/step-000004, skipped [("step-000006", "... incomplete ...")]
     """
     path = Path(path)
-    if (path / MANIFEST).is_file() or partial_dir(path).is_dir() or not path.is_dir():
-        return path
+    if (path / MANIFEST).is_file() or partial_dir(path).is_dir() or not path.is_dir() \
+            or (path / METADATA).is_file() or any(path.glob("*.distcp")):
+        return path  # a checkpoint (complete or not: read_manifest says which), not a --ckpt directory
     steps = sorted((p for p in path.glob("step-*") if p.is_dir()), key=lambda p: p.name)
     partial = sorted(path.glob(".step-*.partial"))
     passed = []

@@ -146,25 +146,27 @@ class PipelineRank:
         self._templates: dict = {}  # boundary index -> receive template
 
     # ------------------------------------------------------------------ one step
-    def step(self, microbatches: list, train: bool = True):
+    def step(self, microbatches: list, train: bool = True, *, norm=None, of: tuple = (0, 1)):
         """Run this rank's actions for one step over ``microbatches`` (each a flat list of the
         microbatch's global user inputs). Returns the step's loss (the last stage's ranks; None
         elsewhere): the sum of the normalized microbatch losses. ``train=False`` runs the
-        forwards only (no gradients); their outputs are in ``self.outputs``."""
+        forwards only (no gradients); their outputs are in ``self.outputs``.
+
+        Gradient accumulation (``run.py --grad-accum K``) runs K such passes into one optimizer
+        step: ``of=(k, K)`` is pass k of K (the data-axis and tied-parameter sums wait for the
+        last pass, a mean loss weighs each microbatch 1 / (K x microbatches), and the K returned
+        losses add up to the step's), ``norm`` the loss count of all K passes (see
+        :meth:`loss_count`; default: this pass's own)."""
         spec = self.spec
         if len(microbatches) != spec.microbatches:
             raise ValueError(f"the plan runs {spec.microbatches} microbatches per step, got {len(microbatches)}")
         ctx = current("pipeline step")
         self.outputs, self._state, self.timeline = {}, {}, []
         self._losses: dict = {}
-        norm = None
-        if spec.normalizer is not None and self.n_stages - 1 in self.stages:
-            with torch.no_grad():
-                counts = [spec.normalizer(*[self._value(n, mb) for n in spec.normalizer_inputs])[0]
-                          for mb in microbatches]
-            norm = counts[0].clone()
-            for c in counts[1:]:
-                norm = norm + c
+        self._of = of
+        last_pass = of[0] == of[1] - 1
+        if norm is None:
+            norm = self.loss_count(microbatches)
         t0, self.started = time.perf_counter(), time.time()
         self._posted_upto = 0
         grad = torch.enable_grad() if train else torch.no_grad()
@@ -177,18 +179,31 @@ class PipelineRank:
                 if a.kind == "F":
                     self._forward(a, microbatches[a.mb], norm, train)
                 else:
-                    with self._deferred(ctx, i not in self.final):
+                    with self._deferred(ctx, i not in self.final or not last_pass):
                         (self._backward if a.kind == "B" else self._weights)(a)
                 self.timeline.append((a, start - t0, time.perf_counter() - t0))
         ctx.backend.wait_sends()
-        if train:
+        if train and last_pass:
             self._sum_tied()
         if not self._losses:
             return None
         total = self._losses[0].clone()
         for m in range(1, len(self._losses)):
             total = total + self._losses[m]
-        return total if spec.loss_reduction == "sum" else total / spec.microbatches
+        return total if spec.loss_reduction == "sum" else total / (spec.microbatches * of[1])
+
+    def loss_count(self, microbatches: list):
+        """The loss count of ``microbatches`` (the normalizer's sum over them, over every data
+        rank) on the last stage's ranks; None elsewhere and for a loss without a count."""
+        spec = self.spec
+        if spec.normalizer is None or self.n_stages - 1 not in self.stages:
+            return None
+        with torch.no_grad():
+            counts = [spec.normalizer(*[self._value(n, mb) for n in spec.normalizer_inputs])[0] for mb in microbatches]
+        norm = counts[0].clone()
+        for c in counts[1:]:
+            norm = norm + c
+        return norm
 
     def measured(self) -> list:
         """The last step's actions as ``(action, start, end)`` in wall-clock seconds
@@ -284,7 +299,7 @@ class PipelineRank:
             if spec.loss_index is not None:
                 loss = outs[spec.loss_index]
                 self._losses[a.mb] = loss.detach()
-                scale = 1.0 if spec.loss_reduction == "sum" else 1.0 / spec.microbatches
+                scale = 1.0 if spec.loss_reduction == "sum" else 1.0 / (spec.microbatches * self._of[1])
                 state["roots"], state["seeds"] = [loss], [torch.full_like(loss, scale)]
         else:
             nxt = stage_rank(a.stage + 1, self.pp)

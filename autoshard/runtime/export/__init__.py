@@ -25,8 +25,9 @@ It is part of the core (it imports the mesh, ownership and runtime alone, never 
 so an export runs wherever autoshard is installed. One module per job: :mod:`.plan_file`
 (plan.json), :mod:`.weights`, :mod:`.inputs`, :mod:`.data` (``--data``), :mod:`.program` (this
 rank's program), :mod:`.checks` (``--check``), :mod:`.training` (the training loop),
-:mod:`.errors` (one-line errors, the lost-peer diagnosis), :mod:`.memory` (each rank's
-measured peak and its prediction), :mod:`.launch` (one torchrun process), :mod:`.cli` (options, ``main``), :mod:`.pipeline` (pipelined exports) and
+:mod:`.accumulation` (``--grad-accum``), :mod:`.errors` (one-line errors, the lost-peer
+diagnosis), :mod:`.memory` (each rank's measured peak and its prediction), :mod:`.launch` (one
+torchrun process), :mod:`.cli` (options, ``main``), :mod:`.pipeline` (pipelined exports) and
 :mod:`.launcher` (the run.py an export gets). The names below are this package's API (tests
 and ``passes.export``'s ``simulate_export`` use them).
 """
@@ -36,6 +37,7 @@ from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunEr
 from .plan_file import FORMAT, VERSION, _pipeline, load_program, load_programs, loss_shape, read_plan
 from .weights import Weights, _common_prefix_fix, open_weights, read_checkpoint, read_safetensors
 from .inputs import load_inputs
+from .accumulation import grad_accum_setup, load_step_inputs
 from .checks import _max_diff, check_tolerance, compare, compare_grads, summarize_check
 from .program import NAN_POLICIES, RankProgram, nonfinite_step, rank_loop, rank_program, rank_spec, weights_lookup
 from .data import TokenData
@@ -45,7 +47,8 @@ from .cli import _parser, main
 
 __all__ = ["EXIT_NONFINITE", "EXIT_PEER", "EXIT_USAGE", "FORMAT", "NAN_POLICIES", "NonFiniteError", "RankProgram",
            "RunError", "TokenData", "VERSION", "Weights", "check_tolerance", "checkpoint_bytes", "compare",
-           "compare_grads", "load_inputs", "load_program", "load_programs", "loss_shape", "main",
+           "compare_grads", "grad_accum_setup", "load_inputs", "load_program", "load_programs", "load_step_inputs",
+           "loss_shape", "main",
            "nonfinite_step", "open_weights", "prepare", "prepare_training", "rank_loop", "rank_program",
            "rank_spec", "read_checkpoint", "read_plan", "read_safetensors", "run", "summarize_check",
            "train_loop", "weights_lookup"]

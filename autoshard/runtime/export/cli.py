@@ -32,7 +32,9 @@ def _parser():
     p.add_argument("--synthetic", action="store_true", help="random inputs of the planned shapes")
     p.add_argument("--inputs", help="a torch.save'd list of the (global) inputs, in the planned order")
     p.add_argument("--weights", help="where the parameters come from: a torch.save state dict by parameter name, a "
-                                     ".safetensors file, or a Hugging Face save_pretrained directory (sharded or not)")
+                                     ".safetensors file, a Hugging Face save_pretrained directory (sharded or not), "
+                                     "or a DCP checkpoint (autoshard's, a --ckpt directory: its newest complete one, "
+                                     "or a plain torch.distributed.checkpoint.save directory)")
     p.add_argument("--weights-prefix", metavar="PREFIX",
                    help="with --weights: the FQN in the planned module under which the checkpoint's keys live "
                         "(prepended to them: 'model' when the planned module holds the HF model as self.model)")

@@ -43,13 +43,19 @@ def load_inputs(root: Path, doc: dict, *, synthetic: bool, path=None, seed: int 
             raise RunError("this export has no saved inputs" + (f": {why}" if why else "")
                            + " (hint: run with --synthetic, or --inputs FILE)")
         path, what = root / doc["example_inputs"], "saved inputs file"
-    data = _load(Path(path), what)
+    flat = read_inputs_file(Path(path), what, users)
+    for m, x in zip(users, flat):
+        check_input(m, x)
+    return flat
+
+
+def read_inputs_file(path: Path, what: str, users: list) -> list:
+    """The flat inputs an inputs file holds (a list, or {"inputs": list}), one per user input."""
+    data = _load(path, what)
     flat = data.get("inputs") if isinstance(data, dict) else list(data) if isinstance(data, (list, tuple)) else None
     if flat is None or len(flat) != len(users):
         raise RunError(f"inputs file {path} must hold a list of {len(users)} inputs "
                        f"({', '.join(m['target'] for m in users)})")
-    for m, x in zip(users, flat):
-        check_input(m, x)
     return list(flat)
 
 

@@ -11,6 +11,8 @@ Example::
 """
 from __future__ import annotations
 
+import argparse
+import gc
 import math
 import os
 import sys
@@ -23,12 +25,14 @@ import torch.distributed as dist
 
 from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
+from autoshard.runtime.execution import shared_paths
 from autoshard.runtime.transport.watchdog import Heartbeat
 
+from .block_check import block_args, group_report
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
-from .inputs import load_inputs
 from .memory import process_bytes, report as memory_report
+from .accumulation import load_step_inputs
 from .plan_file import _pipeline, _this, load_programs, loss_shape, read_plan
 from .program import rank_loop, rank_program
 from .training import Stopped, prepare_training, train_loop
@@ -42,6 +46,15 @@ def _say(msg: str) -> None:
 def prepare(root: Path, args) -> dict:
     """Everything that can fail without talking to other ranks; raises RunError."""
     doc = read_plan(root)
+    if args.check and not doc.get("reference") and doc.get("block_check"):
+        # over the check budget: the checked model (one block of each kind) is checked instead
+        sub_root = root / doc["block_check"]["dir"]
+        sub_doc = read_plan(sub_root)
+        sub_args = block_args(args, (sub_doc.get("reference") or {}).get("steps", 0))
+        sub = prepare(sub_root, sub_args)
+        ctx = prepare(root, argparse.Namespace(**{**vars(args), "check": False}))
+        ctx["blocks"] = (sub_root, sub_args, sub)
+        return ctx
     mesh = Mesh(doc["mesh"])
     world = _env_int("WORLD_SIZE", 1)
     if world != mesh.size:
@@ -67,14 +80,14 @@ def prepare(root: Path, args) -> dict:
     if args.allow_partial and not (args.weights or doc["weights"].get("checkpoint")):
         raise RunError("--allow-partial applies to a --weights checkpoint")
     if args.check and not doc.get("reference"):  # before the weights: a meta export has neither
-        why = (doc.get("missing") or {}).get("reference")
+        missing = doc.get("missing") or {}
+        why = "; ".join(w for w in (missing.get("reference"), missing.get("block_check")) if w)
         raise RunError("this export has no references to check against" + (f": {why}" if why else "")
                        + " (hint: export a model with real weights and example inputs, reference=True; "
-                       "models over 2 GiB skip them)")
+                       "over the check budget, a model whose blocks repeat is checked one block of each kind)")
     weights = open_weights(root, doc, args.weights, args.allow_partial, args.weights_prefix)
     loop = prepare_training(root, doc, args)  # the training loop's options (--data, --resume, ...)
-    user = None if loop.get("data") else load_inputs(root, doc, synthetic=args.synthetic, path=args.inputs,
-                                                      seed=args.seed)
+    user = None if loop.get("data") else load_step_inputs(root, doc, args)
     ref = None
     if args.check:
         if args.synthetic or args.inputs:
@@ -112,6 +125,8 @@ def run(root: Path, args) -> int:
     else:
         device = torch.device("cpu")
     ctx["program"].DEVICE = device
+    if (ctx["loop"].get("accum") or {}).get("module") is not None:
+        ctx["loop"]["accum"]["module"].DEVICE = device
     if "WORLD_SIZE" not in os.environ:  # `python run.py` on a one-rank mesh: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
@@ -120,7 +135,20 @@ def run(root: Path, args) -> int:
     store = dist.distributed_c10d._get_default_store()
     beat = Heartbeat(store, rank)
     try:
-        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline)
+        check_shared_paths(args, ctx["loop"], rank)
+        rc = 0
+        if ctx.get("blocks"):
+            sub_root, sub_args, sub = ctx["blocks"]
+            reported = []
+            rc = _run_ranks(sub_root, sub_args, sub, sub["doc"], mesh, rank, device, use_cuda, on_result=reported.append)
+            ok, lines = group_report(doc["block_check"], sub["doc"], mesh, rank, reported[0], sub["ref"], sub_args,
+                                     device)
+            for line in lines if rank == 0 else ():
+                print(line, flush=True)
+            rc = rc or (0 if ok else 1)
+            del sub, reported, ctx["blocks"]  # its references and weights: the whole model runs next
+            gc.collect()
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline=baseline) or rc
     except RunError as e:  # found by every rank at the same point (a bad token in --data)
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
@@ -150,7 +178,19 @@ def run(root: Path, args) -> int:
     return rc
 
 
-def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline=0) -> int:
+def check_shared_paths(args, loop: dict, rank: int) -> None:
+    """RunError on every rank unless every rank sees rank 0's ``--ckpt`` directory, ``--data``
+    file and ``--resume`` checkpoint (a job on several nodes needs them on a shared file system:
+    :mod:`autoshard.runtime.execution.shared_paths`); collectives, after the process group starts."""
+    if dist.get_world_size() == 1 or not (args.ckpt or loop.get("data") or loop.get("resume")):
+        return
+    problems = shared_paths.check_shared_paths(rank, ckpt=args.ckpt, data=args.data if loop.get("data") else None,
+                                               resume=loop.get("resume"))
+    if problems:
+        raise RunError("; ".join(problems))
+
+
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=None, baseline=None) -> int:
     say = _say if rank == 0 else (lambda msg: None)
     backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
     train = args.steps > 0
@@ -179,8 +219,12 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline=0) -
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
-    memory_report(rank, mesh, doc, train=train, device=device, baseline=baseline, metrics=args.metrics,
-                  shm_axes=[a for a, t in transports.items() if t == "shared memory" and mesh.axes[a] > 1], say=say)
+    if on_result is not None:
+        on_result(res)
+    if baseline is not None:  # the whole export's run (not the block check's): each rank's peak
+        memory_report(rank, mesh, doc, train=train, device=device, baseline=baseline, metrics=args.metrics,
+                      shm_axes=[a for a, t in transports.items() if t == "shared memory" and mesh.axes[a] > 1],
+                      say=say)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)

@@ -25,6 +25,7 @@ Example (inside a rank context, as run.py does)::
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -157,6 +158,22 @@ class PipelineProgram:
         """Forward and backward of one step (the schedule over its microbatches): run.py's
         training loop calls it as it calls ``RankProgram.train_step``."""
         return self.run(user, train=True)
+
+    def train_accumulated(self, steps: list, accum: dict) -> float:
+        """``--grad-accum K``: the schedule K times, each over one planned batch of ``steps``
+        (the global inputs of each), into one optimizer step: data-axis and tied-parameter sums
+        once, with the last pass; a masked mean divided by the count of all K batches; the
+        step's global loss. ``accum``: as ``RankProgram.train_accumulated`` takes it (the
+        pipeline's own normalizer applies)."""
+        passes = [split_microbatches(user, self.spec.microbatches) for user in steps]
+        counts = [self.pipe.loss_count(p) for p in passes]
+        norm = None
+        if counts[0] is not None:  # the last stage's ranks of a masked mean
+            norm = counts[0].clone()
+            for c in counts[1:]:
+                norm = norm + c
+        losses = [self.pipe.step(p, train=True, norm=norm, of=(k, len(passes))) for k, p in enumerate(passes)]
+        return math.fsum(self.step_loss(loss) for loss in losses)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the step's gradients of every stage to the global norm (see ``PipelineRank``)."""

@@ -20,6 +20,7 @@ import torch
 from autoshard.mesh import Mesh
 from autoshard.ownership import ParamStorage, Replicate, Shard
 from autoshard.runtime import current
+from autoshard.runtime.execution import grad_accum
 from autoshard.runtime.execution.local import LocalModule, RankSpec, ShardedOptimizer, Slot
 from autoshard.runtime.execution.clip import clip_grad_norm_, global_grad_norm
 
@@ -96,6 +97,14 @@ class RankProgram:
     def step_loss(self, loss) -> float:
         """The step's global loss from this rank's block (call on every rank)."""
         return global_sum(loss, self.doc["outputs"][self.doc["loss_output"]]["_place"], self.mesh)
+
+    def train_accumulated(self, microbatches: list, accum: dict) -> float:
+        """Forward and backward of the step's microbatches (``--grad-accum``: data-axis sums once,
+        with the last; see :mod:`autoshard.runtime.execution.grad_accum`); the step's global loss."""
+        pieces = grad_accum.accumulate(self.local, microbatches, loss_index=self.doc["loss_output"],
+                                       reduction=accum["reduction"], normalizer=accum["normalizer"],
+                                       normalizer_inputs=accum["inputs"])
+        return math.fsum(w * self.step_loss(loss) for loss, w in pieces)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip the gradients to the global 2-norm ``max_norm``; the norm before clipping."""

@@ -27,6 +27,7 @@ import torch
 
 from autoshard.runtime.execution import checkpoint as ckpt
 
+from .accumulation import grad_accum_mismatch, grad_accum_setup
 from .data import TokenData
 from .errors import RunError, _env_int
 from .program import agreed, check_finite_state, nonfinite_step
@@ -46,6 +47,10 @@ def add_training_args(p) -> None:
     g.add_argument("--min-lr", type=float, default=0.0, help="the cosine schedule's final learning rate")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip gradients to this global 2-norm (over every shard and mesh axis)")
+    g.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="K planned batches per optimizer step (K x the tokens of --data; --inputs with K x the "
+                        "planned rows): gradients accumulate, data-axis sums run once per step, and the loss is "
+                        "that of the K batches together (a masked mean over all their valid tokens)")
     g.add_argument("--ckpt", help="directory for checkpoints: step-NNNNNN/ written at --save-every and at the end")
     g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (needs --ckpt)")
     g.add_argument("--resume", help="a checkpoint, or a --ckpt directory (its newest complete step-*): restores "
@@ -122,7 +127,7 @@ class Preemption:
 
 
 def uses_training_loop(args) -> bool:
-    return bool(args.data or args.ckpt or args.resume or args.save_every or args.metrics
+    return bool(args.data or args.ckpt or args.resume or args.save_every or args.metrics or args.grad_accum != 1
                 or args.clip_grad_norm is not None or args.lr_schedule != "constant" or args.total_steps)
 
 
@@ -141,8 +146,9 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
         raise RunError("--save-every needs --ckpt DIR")
     if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
         raise RunError("--clip-grad-norm must be > 0")
+    accum = grad_accum_setup(root, doc, args)
     loop = {"schedule": {"kind": args.lr_schedule, "warmup": args.warmup, "total": args.total_steps,
-                         "min_lr": args.min_lr, "lr": args.lr}}
+                         "min_lr": args.min_lr, "lr": args.lr}, "accum": accum}
     if args.data:
         if args.synthetic or args.inputs:
             raise RunError("--data excludes --synthetic and --inputs")
@@ -157,6 +163,7 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
             raise RunError(f"--resume: {e}") from None
         loop["warnings"] += [f"--resume skipped {name}: {why}" for name, why in skipped]
         loop["warnings"] += resume_mismatches(loop["resume"], manifest, args)
+        loop["warnings"] += grad_accum_mismatch(loop["resume"], manifest, args)
     if args.ckpt:
         check_ckpt_dir(Path(args.ckpt), checkpoint_bytes(doc, args.optimizer))
         if _env_int("RANK", 0) == 0:  # the job's first process holds the directory for the job
@@ -270,9 +277,11 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
         if extra.get("scheduler"):
             scheduler.load_state_dict(extra["scheduler"])
         say(f"resumed from {loop['resume']} at step {start}" + (f", token {pos}" if loop.get("data") else ""))
-    data, end = loop.get("data"), start + args.steps
+    data, end, accum = loop.get("data"), start + args.steps, loop.get("accum")
     data_id = ckpt.data_identity(data.path) if data else None
-    tokens = data.per_batch if data else None
+    tokens = data.per_batch * (accum["k"] if accum else 1) if data else None
+    if accum:
+        say(f"gradient accumulation: {accum['k']} microbatches per optimizer step ({accum['source']})")
     info = {"model": doc.get("model"), "aliases": doc.get("aliases") or {},
             "state_dict_keys": doc.get("state_dict_keys")}
     metrics = open(args.metrics, "a") if args.metrics and rp.rank == 0 else None
@@ -285,12 +294,20 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
             preemption.__enter__()
         for step in range(start + 1, end + 1):
             t0 = time.perf_counter()
-            if data:
-                user, pos = data.batch(pos, mesh, rp.rank)
-            loss = rp.train_step(user)
+            if accum:  # --grad-accum K: K planned batches, data-axis sums with the last
+                microbatches = user
+                if data:
+                    microbatches = []
+                    for _ in range(accum["k"]):
+                        mb, pos = data.batch(pos, mesh, rp.rank)
+                        microbatches.append(mb)
+                value = rp.train_accumulated(microbatches, accum)
+            else:
+                if data:
+                    user, pos = data.batch(pos, mesh, rp.rank)
+                value = rp.step_loss(rp.train_step(user))
             norm = rp.clip_grad_norm_(args.clip_grad_norm) if args.clip_grad_norm is not None else None
             lr = opt.inner.param_groups[0]["lr"]
-            value = rp.step_loss(loss)
             skipped = nonfinite_step(rp, step, value, norm, args.nan_policy)
             if skipped:
                 opt.zero_grad(set_to_none=True)
@@ -323,7 +340,8 @@ def train_loop(rp, user, loop: dict, args, say=lambda msg: None) -> dict:
                     check_finite_state(rp, step, path)
                 ckpt.save(rp.local, opt, path, step=step, info=info,
                           extra={"data_position": pos, "schedule": schedule, "scheduler": scheduler.state_dict(),
-                                 "optimizer": args.optimizer, "data": data_id})
+                                 "optimizer": args.optimizer, "data": data_id,
+                                 "grad_accum": accum["k"] if accum else 1})
                 say(f"saved checkpoint {path}")
             if stop:
                 say(f"stopping on {signal.Signals(preemption.signum).name} after step {step}: its checkpoint is "

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from autoshard.runtime.execution import checkpoint as ckpt
+from autoshard.runtime.execution import weights_dcp
 from autoshard.runtime.execution.local import SliceSource
 
 from .errors import RunError
@@ -92,8 +93,8 @@ def read_safetensors(src: Path) -> dict:
             files = ["model.safetensors"]
         else:
             raise RunError(f"weights checkpoint {src} is a directory without model.safetensors or "
-                           f"model.safetensors.index.json (hint: a Hugging Face save_pretrained directory, a "
-                           f".safetensors file or a torch.save state dict)")
+                           f"model.safetensors.index.json (hint: a Hugging Face save_pretrained directory, a DCP "
+                           f"checkpoint, a .safetensors file or a torch.save state dict)")
         paths = [src / f for f in files]
     else:
         paths = [src]
@@ -121,12 +122,22 @@ def read_safetensors(src: Path) -> dict:
 
 def read_checkpoint(src, prefix: str | None = None) -> dict:
     """The ``--weights`` state by plan FQN: a torch.save state dict (memory-mapped), a
-    ``.safetensors`` file or a Hugging Face checkpoint directory (read by region). ``prefix``
+    ``.safetensors`` file, a Hugging Face checkpoint directory or a DCP checkpoint (autoshard's,
+    a ``--ckpt`` directory's newest, or a plain ``torch.distributed.checkpoint.save`` directory:
+    :mod:`autoshard.runtime.execution.weights_dcp`), the last three read by region; another
+    export's directory gives the ``weights.pt`` it wrote. ``prefix``
     (``--weights-prefix``) is where the checkpoint's keys live in the planned module: it is
     prepended to every key, so with ``self.model = hf_model`` and prefix ``model`` the
     checkpoint's ``lm_head.weight`` is the plan's ``model.lm_head.weight``."""
     src = Path(src)
-    if src.is_dir() or src.suffix == ".safetensors":
+    if (src / "plan.json").is_file() and (src / "weights.pt").is_file():
+        src = src / "weights.pt"  # another export of the same model: the weights it wrote
+    if weights_dcp.is_dcp(src):  # an autoshard or plain DCP checkpoint, or a --ckpt directory
+        try:
+            state = weights_dcp.read_dcp(src)
+        except ckpt.CheckpointError as e:
+            raise RunError(str(e) if "hint:" in str(e) else f"{e} (hint: check the --weights path)") from None
+    elif src.is_dir() or src.suffix == ".safetensors":
         state = read_safetensors(src)
     else:
         state = _load(src, "weights checkpoint")
@@ -138,6 +149,19 @@ def read_checkpoint(src, prefix: str | None = None) -> dict:
     return state
 
 
+def recorded_checkpoint(root: Path, doc: dict):
+    """The checkpoint plan.json points at (``plan.export(path, weights=SRC)``), or None: recorded
+    relative to the export directory, resolved against ``root`` (an absolute one as it is)."""
+    rel = doc["weights"].get("checkpoint")
+    if not rel:
+        return None
+    src = Path(root) / rel
+    if not src.exists():
+        raise RunError(f"this export reads its weights from {rel} (relative to {root}), which does not exist "
+                       f"(hint: move the weights with the export, or give run.py --weights SRC)")
+    return src
+
+
 class Weights:
     """Tensors by FQN from the weights file (and a checkpoint, for parameters: see
     :func:`read_checkpoint`), memory-mapped or, from safetensors, read by region: a rank's
@@ -147,7 +171,7 @@ class Weights:
 
     def __init__(self, root: Path, doc: dict, checkpoint=None, allow_partial: bool = False, prefix: str | None = None):
         sources = []
-        ckpt = checkpoint or doc["weights"].get("checkpoint")
+        ckpt = checkpoint or recorded_checkpoint(root, doc)
         self.partial_note = None
         w = doc["weights"]
         files = [(w.get("file", "weights.pt"), "weights file")] if w.get("file", "weights.pt") else []

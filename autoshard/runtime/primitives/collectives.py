@@ -40,7 +40,9 @@ class Adjoint(NamedTuple):
 
 
 # Primitives that communicate (and are recorded in the trace) ...
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
+GROUP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")  # every rank of the axis takes part
+POINT_TO_POINT = ("send", "recv")  # one peer
+COMM_KINDS = GROUP_KINDS + POINT_TO_POINT
 # Primitives with per-rank sizes, recorded (and costed) as the kind they generalize: "all_to_all_v"
 # moves rows with split sizes that differ per rank (expert parallelism's dispatch and combine).
 VARIABLE_KINDS = {"all_to_all_v": "all_to_all"}
@@ -113,7 +115,7 @@ def _run(ctx: RankContext, primitive: str, x: torch.Tensor, axis: str, dims: tup
         return x.clone() if ctx.coord(axis) == 0 else torch.zeros_like(x)
     if primitive == "reduce_scatter" or primitive == "all_to_all":
         check_divisible(x, axis, dims[0], n, op if op == primitive else f"{op} ({primitive})")
-    if n == 1 and primitive in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+    if n == 1 and primitive in GROUP_KINDS:
         # A group of one: the sum, gather or exchange is the input itself. No backend call
         # (nothing to wait for), one copy (the output must not alias the input, as above).
         ctx.trace.append(CollectiveRecord(kind=primitive, axis=axis, bytes=x.numel() * x.element_size(), phase=phase,

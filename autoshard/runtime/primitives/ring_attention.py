@@ -2,8 +2,9 @@
 
 Each rank of the context-parallel axis keeps its block of query positions; key/value blocks
 travel around the ring (rank i sends to i+1 and receives from i-1, with wraparound), and every
-rank folds each arriving block into an *online-softmax state* per query row (seed 000,
-"Sequence and context parallelism"; FlashAttention appendix B.3, Ring Attention section 3):
+rank folds each arriving block into an *online-softmax state* per query row (the online
+softmax of Milakov & Gimelshein, 2018; FlashAttention, Dao et al., 2022, appendix B.3; Ring
+Attention, Liu et al., 2023, section 3):
 
 - ``m`` the running maximum score, ``l`` the denominator (sum of ``exp(s - m)``), ``u`` the
   numerator (sum of ``exp(s - m) * v``). A block with a larger maximum rescales the old ``l``
@@ -117,7 +118,7 @@ def merge(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
 
 
 def online_softmax_merge(states: Iterable) -> SoftmaxState:
-    """Merge per-block states ``(m, l, u)`` in the order given (seed 000's worked example).
+    """Merge per-block states ``(m, l, u)`` in the order given (online softmax, Milakov & Gimelshein, 2018).
 
     ``states``: ``SoftmaxState`` or ``(m, l, u)`` tuples of tensors or numbers; scalars mean one
     row with a one-wide value. Returns the merged :class:`SoftmaxState`; ``.output()`` is the

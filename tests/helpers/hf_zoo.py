@@ -6,7 +6,7 @@ its example inputs (keyword arguments, labels included so the output has a loss)
 annotation a user writes for it, and its Megatron-style tensor-parallel layout. Used by
 ``tests/test_hf_models.py``; runnable as a script to print every plan's collectives::
 
-    .venv/bin/python tests/hf_zoo.py llama gemma2
+    .venv/bin/python tests/helpers/hf_zoo.py llama gemma2
 """
 from __future__ import annotations
 

@@ -1,0 +1,134 @@
+"""--check of an export over the check budget: one block of each kind, at the real widths.
+
+A model planned on the meta device (or whose state is over ``check_budget``) has no unsharded
+reference; its export carries ``checks/``, the model with its repeated blocks cut to one of each
+kind, planned the same way, with references. ``run.py --check`` checks that program and prints
+a verdict per block. The tolerance is run.py's --check tolerance (the same as any export's).
+"""
+import json
+import re
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard import Mesh
+from autoshard.block_check import checked_model, repeated_blocks
+from autoshard.passes.export import torchrun_command
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+DIMS = {"input_ids": "batch seq", "labels": "batch seq", "*.q_proj.weight": "heads hidden",
+        "*.k_proj.weight": "kv_heads hidden", "*.v_proj.weight": "kv_heads hidden", "*.o_proj.weight": "hidden heads",
+        "*.gate_proj.weight": "ffn hidden", "*.up_proj.weight": "ffn hidden", "*.down_proj.weight": "hidden ffn"}
+LAYOUT = {"batch": "dp", "heads": "tp", "kv_heads": "tp", "ffn": "tp"}
+
+
+def _llama(meta: bool):
+    cfg = transformers.AutoConfig.for_model("llama", **CONFIG)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _plan(model):
+    ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    return autoshard.autoshard(model, (), kwargs={"input_ids": ids, "labels": ids}, mesh=Mesh({"dp": 2, "tp": 2}),
+                               dims=DIMS, layout=LAYOUT, train=True)
+
+
+def test_repeated_blocks_keep_one_of_each_kind_and_leave_inner_lists_whole():
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.out = nn.Linear(4, width)
+
+    m = nn.Module()
+    m.layers = nn.ModuleList([Block(4), Block(4), Block(8), Block(4)])
+    assert repeated_blocks(m) == {"layers": [(0, [0, 1, 3]), (2, [2])]}  # experts: part of each block
+    small = checked_model(m, repeated_blocks(m))
+    assert len(small.layers) == 2 and small.layers[1].out.out_features == 8
+    assert len(m.layers) == 4  # the model itself is unchanged
+    single = nn.Module()
+    single.layers = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+    assert repeated_blocks(single) == {}  # nothing repeats
+
+
+def test_a_meta_model_gets_random_weights_and_its_own_rotary_buffers():
+    meta, real = _llama(True), _llama(False)
+    small = checked_model(meta, repeated_blocks(meta))
+    assert len(small.model.layers) == 1 and len(meta.model.layers) == 4
+    assert not any(t.is_meta for t in list(small.parameters()) + list(small.buffers()))
+    assert all(torch.isfinite(p).all() for p in small.parameters())
+    # a non-persistent buffer is recomputed by its module's own code: the real model's bits
+    assert torch.equal(small.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
+
+
+def test_an_export_over_the_check_budget_carries_the_checked_model(tmp_path):
+    plan = _plan(_llama(False))
+    out = plan.export(tmp_path / "x", check_budget=1024)
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["reference"] is None and "check budget" in doc["missing"]["reference"]
+    entry = doc["block_check"]
+    assert entry["dir"] == "checks" and [b["name"] for b in entry["blocks"]] == ["model.layers.0"]
+    assert entry["blocks"][0]["stands_for"] == [f"model.layers.{i}" for i in range(4)]
+    sub = json.loads((out / "checks" / "plan.json").read_text())
+    assert sub["reference"]["steps"] == 2
+    # the kept block carries the whole plan's block collectives: the export compared them
+    block = lambda cs, b: sorted((c["kind"], c["phase"]) for c in cs if c["where"].startswith(b))
+    assert block(sub["collectives"], "model.layers.0") == block(doc["collectives"], "model.layers.0")
+    assert block(doc["collectives"], "model.layers.0") == block(doc["collectives"], "model.layers.3")
+
+
+def _export_meta(tmp_path):
+    out = _plan(_llama(True)).export(tmp_path / "meta")
+    weights = tmp_path / "w.pt"
+    torch.save(_llama(False).state_dict(), weights)
+    return out, weights
+
+
+def _torchrun(out, *args):
+    return subprocess.run(torchrun_command(out, 4, *args), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_check_of_a_meta_planned_export_reports_each_block(tmp_path):
+    out, weights = _export_meta(tmp_path)
+    r = _torchrun(out, "--weights", str(weights), "--check", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "check passed" in r.stdout
+    assert re.search(r"check block model\.layers\.0 \(standing for model\.layers\.0-3, \d+ parameters.*: ok", r.stdout)
+    assert re.search(r"check the non-repeated parts .*: ok", r.stdout)
+    assert "step 2/2" in r.stdout.split("autoshard export meta")[-1]  # then the whole model trains
+
+
+@pytest.mark.slow
+def test_check_of_the_blocks_fails_on_a_wrong_block_program(tmp_path):
+    out, weights = _export_meta(tmp_path)
+    program = out / "checks" / "program.py"
+    src = program.read_text()
+    # drop the block's first row-parallel sum on tp: each rank keeps its partial sum
+    wrong, n = re.subn(r"all_reduce\((\w+), 'tp', tag = \d+, consume = True\)", r"\1", src, count=1)
+    assert n == 1
+    program.write_text(wrong)
+    r = _torchrun(out, "--weights", str(weights), "--check", "--steps", "1")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "CHECK FAILED" in r.stdout
+    assert re.search(r"check block model\.layers\.0 .*: FAILED", r.stdout)
+
+
+def test_the_command_line_exports_the_checked_model_over_its_budget(tmp_path):
+    from autoshard import cli
+
+    plan = _plan(_llama(False))
+    ns = type("NS", (), dict(weights=None, weights_prefix=None, no_reference=False, force=False, check_budget="1KB"))
+    out = cli._export(plan, *plan.example_inputs, tmp_path / "cli", ns)
+    assert json.loads((out / "plan.json").read_text())["block_check"]["dir"] == "checks"
