@@ -298,7 +298,8 @@ import sys
 import torch
 import torch.distributed as dist
 from autoshard import Mesh
-from autoshard.runtime import DistributedBackend, distributed
+from autoshard.runtime import DistributedBackend
+from autoshard.runtime.transport import distributed
 
 dist.init_process_group("gloo")
 token = distributed.job_token

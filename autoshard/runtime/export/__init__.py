@@ -26,8 +26,8 @@ so an export runs wherever autoshard is installed. One module per job: :mod:`.pl
 (plan.json), :mod:`.weights`, :mod:`.inputs`, :mod:`.data` (``--data``), :mod:`.program` (this
 rank's program), :mod:`.checks` (``--check``), :mod:`.training` (the training loop),
 :mod:`.accumulation` (``--grad-accum``), :mod:`.errors` (one-line errors, the lost-peer
-diagnosis), :mod:`.launch` (one torchrun process), :mod:`.cli` (options, ``main``),
-:mod:`.pipeline` (pipelined exports) and
+diagnosis), :mod:`.memory` (each rank's measured peak and its prediction), :mod:`.launch` (one
+torchrun process), :mod:`.cli` (options, ``main``), :mod:`.pipeline` (pipelined exports) and
 :mod:`.launcher` (the run.py an export gets). The names below are this package's API (tests
 and ``passes.export``'s ``simulate_export`` use them).
 """

@@ -31,6 +31,7 @@ from autoshard.runtime.transport.watchdog import Heartbeat
 from .block_check import block_args, group_report
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
+from .memory import process_bytes, report as memory_report
 from .accumulation import load_step_inputs
 from .plan_file import _pipeline, _this, load_programs, loss_shape, read_plan
 from .program import rank_loop, rank_program
@@ -102,6 +103,7 @@ def prepare(root: Path, args) -> dict:
 
 
 def run(root: Path, args) -> int:
+    baseline = process_bytes().get("VmRSS", 0)  # the process before any of the program (memory.py)
     local_rank = _env_int("LOCAL_RANK", 0)
     try:
         ctx = prepare(root, args)
@@ -146,7 +148,7 @@ def run(root: Path, args) -> int:
             rc = rc or (0 if ok else 1)
             del sub, reported, ctx["blocks"]  # its references and weights: the whole model runs next
             gc.collect()
-        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) or rc
+        rc = _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, baseline=baseline) or rc
     except RunError as e:  # found by every rank at the same point (a bad token in --data)
         if rank == 0:
             print(f"run.py: error: {e}", file=sys.stderr, flush=True)
@@ -188,7 +190,7 @@ def check_shared_paths(args, loop: dict, rank: int) -> None:
         raise RunError("; ".join(problems))
 
 
-def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=None) -> int:
+def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=None, baseline=None) -> int:
     say = _say if rank == 0 else (lambda msg: None)
     backend = DistributedBackend(mesh, device_type="cuda" if use_cuda else "cpu", timeout=args.timeout)
     train = args.steps > 0
@@ -205,6 +207,7 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
             f"microbatches per step")
     with rank_context(mesh, rank, backend):
         rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        ctx["weights"] = None  # every rank has its blocks: the weights file's mapping goes
         if ctx["loop"]:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
         elif doc.get("pipeline"):
@@ -218,6 +221,10 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
             _pipeline().write_timeline(rp, args.timeline, say)
     if on_result is not None:
         on_result(res)
+    if baseline is not None:  # the whole export's run (not the block check's): each rank's peak
+        memory_report(rank, mesh, doc, train=train, device=device, baseline=baseline, metrics=args.metrics,
+                      shm_axes=[a for a, t in transports.items() if t == "shared memory" and mesh.axes[a] > 1],
+                      say=say)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)

@@ -202,11 +202,12 @@ class DistributedBackend(Backend):
                 self._shm[axis].prepare(torch.empty(1, dtype=torch.uint8))
         return self.transports
 
-    def _wire(self, axis, payload):
+    def _wire(self, axis, payload, moved=False):
         """Where a collective with per-rank ``payload`` goes: the axis's shared memory group when
-        it takes it (the same answer on every rank), else torch.distributed."""
+        it takes it (the same answer on every rank), else torch.distributed. ``moved``: a
+        gather or all-to-all (no sum: see ``SharedMemoryGroup.prepare``)."""
         group = self._shm.get(axis)
-        return group if group is not None and group.prepare(payload) else _Gloo
+        return group if group is not None and group.prepare(payload, moved) else _Gloo
 
     @property
     def timeouts(self) -> dict:
@@ -233,8 +234,11 @@ class DistributedBackend(Backend):
     # every gather and reduce-scatter, and freshly allocated CPU memory costs a page fault per
     # 4 KiB page when first written (the allocator hands large freed blocks back to the system):
     # thousands of faults per step. A few unit-sized spares (no more than a step holds at once)
-    # are reused instead; on GPU the caching allocator does this.
+    # are reused instead; on GPU the caching allocator does this. The pool is bounded in bytes
+    # too (what the memory prediction counts for it): a spare that would take it past
+    # SPARE_BYTES is left to the allocator.
     SPARES = 4
+    SPARE_BYTES = 256 << 20
 
     def buffer(self, shape, dtype, device=None):
         if self._gloo and (device is None or torch.device(device).type == "cpu"):
@@ -249,8 +253,14 @@ class DistributedBackend(Backend):
         if not (self._gloo and t.device.type == "cpu" and whole):
             return  # a view of something larger, or not a CPU buffer: left to the allocator
         free = self._spares.setdefault((t.numel(), t.dtype), [])
-        if len(free) < self.SPARES and all(f.data_ptr() != t.data_ptr() for f in free):
+        nbytes = t.numel() * t.element_size()
+        if (len(free) < self.SPARES and self.spare_bytes() + nbytes <= self.SPARE_BYTES
+                and all(f.data_ptr() != t.data_ptr() for f in free)):
             free.append(t.detach().view(-1))
+
+    def spare_bytes(self) -> int:
+        """Bytes of the free buffers the pool holds now (at most ``SPARE_BYTES``)."""
+        return sum(f.numel() * f.element_size() for fs in self._spares.values() for f in fs)
 
     def _recycling(self, *buffers):
         """A ``Pending.finish`` that gives ``buffers`` back once the transfer is done."""
@@ -267,7 +277,7 @@ class DistributedBackend(Backend):
         # on another dim the blocks arrive one after the other along dim 0 and are put side by
         # side along dim once they are all here (a copy, or a view of the buffer: not recycled)
         out = self.buffer(shape, front.dtype, front.device) if dim == 0 else front.new_empty(shape)
-        work = self._wire(axis, front).all_gather_single(out, front, group=self.groups[axis], async_op=True)
+        work = self._wire(axis, front, True).all_gather_single(out, front, group=self.groups[axis], async_op=True)
         if dim != 0:
             return Pending(out, work, finish=lambda rows: _merge_rank_blocks(rows, dim, n))
         return Pending(out, work, finish=self._recycling(front) if consume else None)
@@ -295,7 +305,7 @@ class DistributedBackend(Backend):
             # (work is None when not async_op)
             return Pending(out, _reduce_scatter_1(out, front, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
         received = self.buffer(front.shape, front.dtype, front.device)
-        work = self._wire(axis, front).all_to_all_single(received, front, group=group, async_op=async_op)
+        work = self._wire(axis, front, True).all_to_all_single(received, front, group=group, async_op=async_op)
         spent = self._recycling(received, front) if consume else self._recycling(received)
         return Pending(received, work, finish=lambda rows: spent(_sum_blocks(rows, n)))
 
@@ -303,7 +313,7 @@ class DistributedBackend(Backend):
         n = self.mesh.axis_size(axis)
         front = x.detach().contiguous()
         out = front.new_empty((n * front.shape[0],) + front.shape[1:])
-        self._wire(axis, front).all_gather_single(out, front, group=self.groups[axis])
+        self._wire(axis, front, True).all_gather_single(out, front, group=self.groups[axis])
         return _merge_rank_blocks(out, dim, n)
 
     def reduce_scatter(self, x, axis, dim):
@@ -319,7 +329,7 @@ class DistributedBackend(Backend):
         out = torch.empty_like(front)
         # all_to_all_single sends chunk j of dim 0 to rank j and stacks what it receives along
         # dim 0 in rank order: out[j] is our chunk from rank j, still with scatter_dim in front.
-        self._wire(axis, front).all_to_all_single(out, front, group=self.groups[axis])
+        self._wire(axis, front, True).all_to_all_single(out, front, group=self.groups[axis])
         pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
         return torch.cat(pieces, gather_dim)
 

@@ -105,9 +105,16 @@ class SharedMemoryGroup:
     bounds every wait for a peer."""
 
     WINDOW = 4  # collectives in flight at once per group, one slot each
-    # A payload larger than this (per rank) goes through gloo: the segment holds WINDOW x n
-    # slots of up to this size, reserved memory (1 GiB for 4 ranks).
+    # A payload larger than MAX_BYTES (per rank) goes through gloo: the segment holds WINDOW x n
+    # slots of up to this size, reserved memory that every rank maps and touches, so it
+    # counts in each rank's peak (1 GiB for 4 ranks at most; ``segment_bytes``, which the
+    # memory prediction adds per group). The slots grow only as far as a payload needs: the
+    # all-reduces (whose sum in rank order gloo would not keep) up to MAX_BYTES; payloads
+    # that are only moved (gathers, all-to-alls: the same bits either way) only while the
+    # segment stays within COPY_SEGMENT_BYTES (8 MiB slots for 4 ranks), larger ones go
+    # through gloo rather than growing every rank's segment for them.
     MAX_BYTES = 64 << 20
+    COPY_SEGMENT_BYTES = 128 << 20
     MIN_BYTES = 1 << 20  # smallest slot: a segment is not replaced for every larger payload
     SPLIT_BYTES = 64 << 10  # all-reduces from this size on (more than 2 ranks) sum in parts
 
@@ -124,18 +131,60 @@ class SharedMemoryGroup:
         self.generation = 0
         self.usable = True  # False after no segment could be made: gloo from then on
         self.too_big = self.MAX_BYTES + 1  # payloads of this size or more go through gloo
+        self.copy_bytes = self.slot_bytes(self.n)  # moved-only payloads above this: gloo
         self.inflight = [None] * self.WINDOW  # this rank's unfinished transfer per slot
         self.pids = []
 
+    @classmethod
+    def slot_bytes(cls, n: int) -> int:
+        """The largest payload of a gather or all-to-all (moved, not summed) a group of ``n``
+        ranks takes: a segment of such slots stays within COPY_SEGMENT_BYTES.
+
+        >>> SharedMemoryGroup.slot_bytes(4) == 8 << 20
+        True
+        """
+        return max(cls.MIN_BYTES, min(cls.MAX_BYTES, cls.COPY_SEGMENT_BYTES // (cls.WINDOW * n))) // _PAGE * _PAGE
+
+    @classmethod
+    def capacity_for(cls, nbytes: int, slot: int) -> int:
+        """The slot size of the segment made for a payload of ``nbytes``: the next power of two
+        times MIN_BYTES, at most ``slot`` (a group's largest slot). It depends on the largest
+        payload alone, never on their order, so the memory prediction knows it in advance.
+
+        >>> SharedMemoryGroup.capacity_for(3 << 20, 8 << 20) == 4 << 20
+        True
+        """
+        capacity = cls.MIN_BYTES
+        while capacity < nbytes:
+            capacity *= 2
+        return -(-min(capacity, max(slot, nbytes)) // _PAGE) * _PAGE
+
+    @classmethod
+    def segment_bytes(cls, n: int, largest_payload: int) -> int:
+        """Bytes of the segment a group of ``n`` ranks has once the largest payload it took
+        (per rank: at most MAX_BYTES for an all-reduce, :meth:`slot_bytes` for the others;
+        larger ones go through gloo) was ``largest_payload``.
+
+        >>> SharedMemoryGroup.segment_bytes(4, 3 << 20) == 4096 + 4 * 4 * (4 << 20)
+        True
+        """
+        return cls._control_bytes(n) + cls.WINDOW * n * cls.capacity_for(largest_payload, cls.MAX_BYTES)
+
+    @classmethod
+    def _control_bytes(cls, n: int) -> int:
+        return -(-8 * (3 * cls.WINDOW + 1) * n // _PAGE) * _PAGE
+
     # ---- torch.distributed's forms -------------------------------------------------------------
 
-    def prepare(self, t: torch.Tensor) -> bool:
+    def prepare(self, t: torch.Tensor, moved: bool = False) -> bool:
         """Whether the next collective, with per-rank payload ``t``, runs here; makes or grows
         the segment first where needed. Every rank of the group must call it for the same
         collective, and all get the same answer (these collectives' payloads have one size on
         all ranks). Where a larger segment could not be made, payloads that need it go through
-        gloo from then on (and all do where none could be made)."""
-        return (self.usable and t.device.type == "cpu" and t.nbytes < min(self.too_big, self.MAX_BYTES + 1)
+        gloo from then on (and all do where none could be made). ``moved``: a gather or
+        all-to-all, whose payloads above :meth:`slot_bytes` go through gloo."""
+        limit = min(self.copy_bytes, self.MAX_BYTES) if moved else self.MAX_BYTES
+        return (self.usable and t.device.type == "cpu" and t.nbytes < min(self.too_big, limit + 1)
                 and self._ensure(t.nbytes))
 
     # ``group`` and ``op`` are accepted as torch.distributed's calls pass them (the group is
@@ -271,9 +320,8 @@ class SharedMemoryGroup:
         for held in self.inflight:
             if held is not None:
                 held.wait()  # nothing may be read from the old segment after it is dropped
-        capacity = max(nbytes, min(max(2 * self.capacity, self.MIN_BYTES), self.MAX_BYTES))
-        capacity = -(-capacity // _PAGE) * _PAGE
-        control = -(-8 * (3 * self.WINDOW + 1) * self.n // _PAGE) * _PAGE
+        capacity = self.capacity_for(nbytes, self.MAX_BYTES)
+        control = self._control_bytes(self.n)
         size = control + self.WINDOW * self.n * capacity
         self.generation += 1
         name = f"{self.name}-{self.generation}"
