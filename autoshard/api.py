@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import functools
 import gc
 import math
 import re
@@ -39,6 +40,7 @@ from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.guards import UnsupportedModelError
 from autoshard.passes.checkpoint import block_name, block_regions
+from autoshard.passes.checkpoint import check_policy as check_recompute_policy
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
@@ -60,7 +62,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
-              verbose: bool = False, captured=None, precision=None, checkpoint: Optional[bool] = None,
+              verbose: bool = False, captured=None, precision=None, checkpoint=None,
               context: Optional[dict] = None, strict: bool = False, disable_passes=()) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
@@ -108,9 +110,11 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     attention) or the variant.
 
     ``checkpoint`` (training): recompute each repeated block's activations in backward instead
-    of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks). True /
-    False forces it; None lets the search turn it on when the plan fits ``memory_limit`` only
-    with it (``autoshard.cost.checkpoint``).
+    of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks,
+    ``plan.checkpoint_policy`` says how). True or ``"block"``: whole blocks; ``"selective"``:
+    keep matmul and attention outputs, recompute pointwise ops and norms
+    (``autoshard.passes.checkpoint``); False: never; None lets the search turn it on when the
+    plan fits ``memory_limit`` only with it, selective first (``autoshard.cost.checkpoint``).
 
     ``disable_passes``: names of program passes (``autoshard.passes.manager.PROGRAM_PASSES``:
     ``"early_sums"``, ``"overlap_linear"``, ...) not to run on the rewritten program;
@@ -128,6 +132,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     if reshard_after_forward is not None and zero_stage != 3:
         raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
     memory_limit = parse_bytes(memory_limit)
+    if checkpoint not in (None, False):
+        checkpoint = check_recompute_policy(checkpoint)
     if checkpoint and not train:
         raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
     if checkpoint and pipeline is not None:
@@ -223,7 +229,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             _progress(verbose, f"searched {search_result.space_size} candidates ({search_result.evaluated} evaluated) in "
                                f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
 
-        use_checkpoint = bool(search_result.checkpoint if search_result is not None else checkpoint) and train
+        use_checkpoint = (search_result.checkpoint if search_result is not None else checkpoint) if train else False
         _refuse_stateful(cap, False, use_checkpoint)  # the search may choose recompute too
         t = time.perf_counter()
         resolved = resolve_layout(info, layout, mesh)
@@ -245,7 +251,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
             # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
             cm = cost_model or _cost_model(hardware)
             vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-            cost_fn = checkpointed_program_cost if use_checkpoint else program_cost
+            cost_fn = (functools.partial(checkpointed_program_cost, policy=use_checkpoint) if use_checkpoint
+                       else program_cost)
 
             def lazy_build(policy):  # Python code is generated for the chosen program only
                 with lazy_programs():
@@ -276,6 +283,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         plan.pipeline_decision = decision if auto_pp is not None else None
         if use_checkpoint:
             plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
+            plan.checkpoint_policy = use_checkpoint
         plan.example_inputs = (tuple(args), dict(kwargs or {}))
         plan.reduce_dtype = reduce_dtype
         if reduce_dtype is not None:

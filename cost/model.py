@@ -304,6 +304,7 @@ class Segment:
     max_act_bytes: int = 0
     saved_by_module: dict = field(default_factory=dict)  # module FQN -> its part of saved_bytes
     boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/checkpoint.py)
+    selective: Optional[tuple] = None  # (held bytes, recomputed ops) under the selective policy (cost/checkpoint.py)
 
     def key(self):
         return (tuple(x if isinstance(x, tuple) else x.key() for x in self.items), self.saved_bytes,
