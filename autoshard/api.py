@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from .arguments import check_dims, check_layout, check_zero_stage
 from .mesh import AutoMesh, Mesh
 from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatches, finish_pipeline,
-                            first_microbatch, pipeline_options)
+                            first_microbatch, pipeline_options, recompute_stages)
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.guards import UnsupportedModelError
@@ -136,8 +136,6 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         checkpoint = check_recompute_policy(checkpoint)
     if checkpoint and not train:
         raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
-    if checkpoint and pipeline is not None:
-        raise ValueError("checkpoint=True is not supported with pipeline= yet (stage programs are not cut into blocks)")
     meshes = mesh.meshes() if isinstance(mesh, AutoMesh) else None
     if meshes is None:
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
@@ -145,8 +143,6 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     pipe = pipeline_options(pipeline, mesh)
     # Mesh.auto with a pipeline axis: the pipeline degree is searched too (cost/pipeline_search.py)
     auto_pp = auto_pipeline_axis(mesh, pipeline) if meshes is not None else None
-    if auto_pp is not None and checkpoint:
-        raise ValueError("checkpoint=True is not supported with a pipeline axis yet")
     if auto_pp is not None:
         pipe = None  # the degree is searched first; a chosen pipeline is planned on its own mesh
     elif meshes is not None and pipeline is not None:
@@ -199,7 +195,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                 memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
                 display={i.name: i.target for i in cap.inputs},
                 units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"),
-                checkpoint=False if pipe is not None else checkpoint)
+                checkpoint=checkpoint)
             if auto_pp is not None:
                 decision = choose_pipeline(cap.graph, cap.inputs, info, mesh, auto_pp, batch=_batch_size(args, kwargs),
                                            constraints=_constraints(layout, search, info), **search_args,
@@ -284,6 +280,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
         if use_checkpoint:
             plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
             plan.checkpoint_policy = use_checkpoint
+            if pipe is not None:
+                recompute_stages(plan)  # each stage program's blocks, by the same policy
         plan.example_inputs = (tuple(args), dict(kwargs or {}))
         plan.reduce_dtype = reduce_dtype
         if reduce_dtype is not None:
@@ -356,7 +354,7 @@ def _plan_pipeline(decision, model, args, kwargs, *, cuts, **options) -> Plan:
                      zero_stage=cand.zero_stage if options["train"] else None,
                      reshard_after_forward=cand.reshard if cand.zero_stage == 3 else None,
                      pipeline={"axis": decision.axis, "microbatches": c.microbatches, "schedule": c.schedule,
-                               "virtual": c.virtual, "cuts": cuts}, **options)
+                               "virtual": c.virtual, "cuts": cuts}, checkpoint=inner.cost.checkpoint or False, **options)
     plan.pipeline_decision = decision
     return plan
 

@@ -36,6 +36,7 @@ from .runtime.schedules import SCHEDULES, make_schedule
 from .runtime.timeline import chrome_trace, measured_trace
 from autoshard.cost.model import resolve_cost_model
 from autoshard.cost.pipeline import bubble, choose_cuts, schedule_timeline, stage_seconds, unit_seconds
+from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.pipeline import cut_candidates, cut_profile, even_cuts, split_program
 from autoshard.passes.spmd import LayoutError
 
@@ -433,3 +434,28 @@ def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions, cost_model=None) 
     plan.schedule_name, plan.virtual = schedule, virtual
     plan.action_lists = make_schedule(schedule, pp, plan.microbatches, virtual)
     return plan
+
+
+def recompute_stages(plan: PipelinePlan) -> PipelinePlan:
+    """Activation recompute in every stage program of ``plan``: its blocks listed in
+    ``plan.checkpoint`` recomputed by ``plan.checkpoint_policy`` (``passes/checkpoint.py``).
+    A stage's activations are what depends on its user inputs and on the values it receives.
+    Schedules that split backward into input- and weight-gradient actions are refused: a
+    recomputed block differentiates both at once.
+
+    Example::
+
+        plan.checkpoint, plan.checkpoint_policy = ["layers.0", "layers.1"], "selective"
+        recompute_stages(plan)
+    """
+    if any(a.kind == "W" for acts in plan.action_lists for a in acts):
+        raise ValueError(f"activation recompute with the {plan.schedule_name} schedule: it splits backward into "
+                         f"input- and weight-gradient actions, which a recomputed block runs at once (hint: "
+                         f"schedule='1f1b', or checkpoint=False)")
+    users = {s.name for s in plan.rank_spec().slots if s.kind == "user"}
+    for st in plan.pipe.stages:
+        acts = {st.forward.graph.find_nodes(op="placeholder")[i].name for i, (kind, _) in enumerate(st.inputs)
+                if kind == "recv" or (kind == "slot" and _ in users)}
+        st.forward = checkpoint_blocks(st.forward, acts, set(plan.checkpoint), plan.checkpoint_policy)[0]
+    return plan
+
