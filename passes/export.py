@@ -452,6 +452,9 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "example_inputs": INPUTS if has_inputs else None,
         "reference": reference,
         "collectives": [_jsonable(c) for c in plan.collectives],
+        # activation recompute: which blocks, how (program.py calls them through the runtime's recompute)
+        "recompute": ({"policy": plan.checkpoint_policy, "blocks": list(plan.checkpoint)}
+                      if getattr(plan, "checkpoint", None) else None),
         "cost": cost,
     }
 

@@ -50,6 +50,7 @@ from autoshard.runtime import DistributedBackend, current, rank_context
 from autoshard.runtime.local import OPTIMIZERS, UNCHECKED, LocalModule, RankSpec, ShardedOptimizer, SliceSource, Slot
 from autoshard.runtime import checkpoint as ckpt
 from autoshard.runtime.clip import clip_grad_norm_, global_grad_norm
+from autoshard.runtime import step_memory
 from autoshard.runtime.watchdog import Heartbeat, first_to_report, stalled_ranks, wake
 from autoshard.passes import export_pipeline_runner
 
@@ -769,6 +770,9 @@ def _parser():
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (nccl) when available, else cpu (gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--memory", action="store_true",
+                   help="with --steps: measure each rank's peak of saved activations + parameters + gradients + "
+                        "optimizer state and print it next to the plan's prediction")
     p.add_argument("--timeline", help="a pipelined export: rank 0 writes the last step's measured actions of every "
                                       "rank here (Chrome / Perfetto trace JSON, one row per rank)")
     add_training_args(p)
@@ -1052,6 +1056,7 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
             f"microbatches per step")
     with rank_context(mesh, rank, backend):
         rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        meter = step_memory.watch(rp) if args.memory and train else None
         if ctx["loop"]:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
         elif doc.get("pipeline"):
@@ -1063,6 +1068,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
+        if meter is not None:
+            say(step_memory.report(meter, doc.get("cost") or {}, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)))
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)
