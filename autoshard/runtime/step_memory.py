@@ -3,7 +3,8 @@ saves for backward (``recompute.SavedBytes``: distinct storages, parameters excl
 recompute's working set and what ZeRO-3 releases) plus the parameters, gradients and optimizer
 state the rank holds, sampled at the end of each backward (gradients complete, optimizer state
 from the previous step). It is what the cost model predicts as ``activations`` + ``params`` +
-``grads`` + ``optimizer`` + ``gathered_params``.
+``grads`` + ``optimizer``; the transient parts of its peak (ZeRO-3 parameters gathered for one
+block, collective buffers) are neither sampled nor compared.
 
 The process high-water mark (VmHWM in /proc/self/status) is not used: on a CPU it is dominated
 by the interpreter, torch's libraries and the transport's buffers, none of which the plan
@@ -51,15 +52,14 @@ class StepMemory:
 
 def predicted_peak(cost: dict) -> float:
     """The cost model's counterpart of :class:`StepMemory`'s peak, from a plan's ``cost``
-    (plan.json's): activations, parameters (with ZeRO-3 gathers), gradients, optimizer state.
+    (plan.json's): activations, parameters as stored, gradients, optimizer state.
 
     Example::
 
         predicted_peak(json.load(open("out/plan.json"))["cost"])
     """
     m = cost["memory"]
-    return (m.get("activations", 0.0) + m.get("params", 0.0) + m.get("gathered_params", 0.0) + m.get("grads", 0.0)
-            + m.get("optimizer", 0.0))
+    return m.get("activations", 0.0) + m.get("params", 0.0) + m.get("grads", 0.0) + m.get("optimizer", 0.0)
 
 
 def watch(rp) -> StepMemory:
