@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import collectives, overlap_linear, ring_attention
 from .context import current_or_none
 
 
@@ -126,7 +127,6 @@ _REF = object()
 def _kept_ops() -> dict:
     """{name: function}: the runtime's own ops a selective region may keep by name (FX code
     cannot print a function object as an argument); aten ops are passed themselves."""
-    from . import collectives, overlap_linear, ring_attention
     fns = [f for f in vars(collectives).values() if callable(f) and getattr(f, "__module__", "") == collectives.__name__
            and f.__name__ in collectives.ADJOINTS]
     fns += [overlap_linear.varying_linears, ring_attention.ring_attention, ring_attention.allgather_attention]
