@@ -7,8 +7,9 @@ With every block checkpointed (``autoshard.passes.checkpoint``), a block keeps o
 and backward; when backward reaches it the block runs forward again, so its own activations
 live once more, one block at a time. So, per rank:
 
-- activations = what the code outside the blocks saves + every block's inputs + the largest
-  block's saved activations (the recompute's working set);
+- activations: the peak over backward of what is kept (the code outside the blocks saves, every
+  block its inputs) and, while block k is recomputed, what was kept up to block k (later values
+  are freed by then) plus block k's saved activations (the recompute's working set);
 - time: each block's forward compute is paid again in backward, and its forward collectives
   (tensor-parallel all-reduces) run again there, blocking.
 
@@ -77,13 +78,12 @@ def checkpointed_segments(segments: list, policy: str = "block", cm=None) -> lis
     of the recompute running at the time). ``policy="selective"`` (needs the cost model ``cm``
     to price the recomputed ops): see the module docstring."""
     if policy == "selective":
-        return _selective_segments(segments, cm)
-    out, biggest = [], 0
+        return _with_working_set(_selective_segments(segments, cm), segments)
+    out = []
     for seg in segments:
         if seg.block is None:
             out.append(seg)
             continue
-        biggest = max(biggest, seg.saved_bytes)
         new = copy.copy(seg)
         new.saved_bytes = seg.boundary_bytes
         items = []
@@ -98,17 +98,37 @@ def checkpointed_segments(segments: list, policy: str = "block", cm=None) -> lis
                 items.append(it)
         new.items = items
         out.append(new)
-    out.append(Segment(None, [], saved_bytes=biggest))
+    return _with_working_set(out, segments)
+
+
+def _with_working_set(out: list, plain: list) -> list:
+    """``out`` (the recomputing segments, one per segment of ``plain``) plus one segment that
+    brings their summed activations up to the peak: while block k is recomputed, what was
+    kept up to and including it (what comes after it has been freed by backward already) plus
+    what the block saves when run with autograd (its plain segments' bytes)."""
+    kept_total = sum(s.saved_bytes for s in out)
+    working: dict = {}
+    for s in plain:
+        if s.block is not None:
+            working[s.block] = working.get(s.block, 0) + s.saved_bytes
+    peak, prefix, last = kept_total, 0, {}
+    for k, s in enumerate(out):
+        if s.block is not None:
+            last[s.block] = k
+    for k, s in enumerate(out):
+        prefix += s.saved_bytes
+        if s.block is not None and last[s.block] == k:
+            peak = max(peak, prefix + working[s.block])
+    out.append(Segment(None, [], saved_bytes=peak - kept_total))
     return out
 
 
 def _selective_segments(segments: list, cm) -> list:
-    out, biggest = [], 0
+    out = []
     for seg in segments:
         if seg.block is None:
             out.append(seg)
             continue
-        biggest = max(biggest, seg.saved_bytes)  # the rerun holds what the plain block saves
         new = copy.copy(seg)
         new.saved_bytes = 0
         if seg.selective is not None:  # the block's first segment carries the block's figures
@@ -117,7 +137,6 @@ def _selective_segments(segments: list, cm) -> list:
             again = sum(op_seconds(cm, t, a, k, o) for t, a, k, o in ops)
             new.items = list(seg.items) + [(0.0, again)]
         out.append(new)
-    out.append(Segment(None, [], saved_bytes=biggest))
     return out
 
 

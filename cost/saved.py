@@ -72,6 +72,8 @@ SAVES = {
     aten.layer_norm.default: (("in!", 0), "stats"),
     aten.native_layer_norm.default: (("in!", 0), "stats"),
     aten.cross_entropy_loss.default: ("logits",),  # its log-softmax, the size of the logits
+    aten.dropout.default: ("mask",),  # one byte per element
+    aten.native_dropout.default: ("mask",),
 }
 
 
@@ -131,6 +133,10 @@ class SavedCounter:
             elif item in ("lse", "stats"):  # per row of the first input: float32
                 q = node.args[0].meta.get("val")
                 total += q[..., 0].numel() * 4 * (2 if item == "stats" else 1)
+            elif item == "mask":
+                v = node.meta.get("val")
+                v = v[0] if isinstance(v, (tuple, list)) else v
+                total += v.numel() if isinstance(v, torch.Tensor) else 0
             elif item == "logits":
                 v = node.args[0].meta.get("val")
                 total += v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
