@@ -35,6 +35,7 @@ from .runtime.pipeline import PipelineRank, PipelineSpec, split_microbatches
 from .runtime.schedules import SCHEDULES, make_schedule
 from .runtime.timeline import chrome_trace, measured_trace
 from autoshard.cost.model import resolve_cost_model
+from autoshard.cost.stage_memory import stage_memory
 from autoshard.cost.pipeline import bubble, choose_cuts, schedule_timeline, stage_seconds, unit_seconds
 from autoshard.passes.checkpoint import checkpoint_blocks
 from autoshard.passes.pipeline import cut_candidates, cut_profile, even_cuts, split_program
@@ -80,6 +81,16 @@ class PipelinePlan(Plan):
     def schedule(self) -> dict:
         """{pipeline rank: [Action, ...]}: what each pipeline rank runs in one step, in order."""
         return {r: list(acts) for r, acts in enumerate(self.action_lists)}
+
+    def stage_memory(self) -> list:
+        """Predicted bytes per pipeline rank: state, activations as the schedule holds them,
+        peak (``autoshard.cost.stage_memory``).
+
+        Example::
+
+            [r["peak"] for r in plan.stage_memory()]     # one per coordinate on the pp axis
+        """
+        return stage_memory(self, self.cost_model)
 
     @property
     def stages(self) -> list:
@@ -453,6 +464,7 @@ def recompute_stages(plan: PipelinePlan) -> PipelinePlan:
                          f"input- and weight-gradient actions, which a recomputed block runs at once (hint: "
                          f"schedule='1f1b', or checkpoint=False)")
     users = {s.name for s in plan.rank_spec().slots if s.kind == "user"}
+    plan.plain_stage_forwards = [st.forward for st in plan.pipe.stages]  # priced as written (cost/stage_memory.py)
     for st in plan.pipe.stages:
         acts = {st.forward.graph.find_nodes(op="placeholder")[i].name for i, (kind, _) in enumerate(st.inputs)
                 if kind == "recv" or (kind == "slot" and _ in users)}

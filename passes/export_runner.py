@@ -1069,7 +1069,7 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda) -> int:
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
         if meter is not None:
-            say(step_memory.report(meter, doc.get("cost") or {}, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)))
+            say(step_memory.report(meter, doc, mesh.coords(rank), lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)))
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)

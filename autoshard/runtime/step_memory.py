@@ -83,14 +83,25 @@ def watch(rp) -> StepMemory:
     return meter
 
 
-def report(meter: StepMemory, cost: dict, reduce_max) -> str:
-    """run.py's ``--memory`` line: the largest rank's measured peak (``reduce_max`` takes the
-    maximum of a tensor over every rank, in place) against the plan's predicted one."""
-    t = torch.tensor([float(meter.peak), float(meter.parts.get("activations", 0))], dtype=torch.float64)
+def report(meter: StepMemory, doc: dict, coords: dict, reduce_max) -> str:
+    """run.py's ``--memory`` line from plan.json ``doc``: the largest measured peak over the
+    ranks and the range of measured / predicted over them (``coords``: this rank's mesh
+    coordinates; a pipeline rank's prediction is its own, plan.json's ``pipeline.memory``;
+    ``reduce_max`` takes the maximum of a tensor over every rank, in place)."""
+    cost, pipe = doc.get("cost") or {}, doc.get("pipeline") or {}
+    per_rank = pipe.get("memory") if isinstance(pipe.get("memory"), list) else None
+    if per_rank is not None:
+        pred = per_rank[coords[pipe["axis"]]]["peak"]
+    elif cost.get("memory"):
+        pred = predicted_peak(cost)
+    else:
+        pred = None
+    ratio = meter.peak / pred if pred else float("nan")
+    t = torch.tensor([float(meter.peak), float(meter.parts.get("activations", 0)), ratio, -ratio],
+                     dtype=torch.float64)
     reduce_max(t)
-    peak, acts = t.tolist()
-    if not cost.get("memory"):
+    peak, acts, hi, lo = t[0].item(), t[1].item(), t[2].item(), -t[3].item()
+    if pred is None:
         return f"memory: measured peak {peak:.0f} B per rank (saved activations {acts:.0f} B); no prediction"
-    pred = predicted_peak(cost)
-    return (f"memory: measured peak {peak:.0f} B per rank (saved activations {acts:.0f} B), predicted {pred:.0f} B "
-            f"(activations {cost['memory'].get('activations', 0.0):.0f} B): measured / predicted {peak / pred:.3f}")
+    return (f"memory: measured peak {peak:.0f} B on the fullest rank (saved activations {acts:.0f} B); "
+            f"measured / predicted per rank {lo:.3f} to {hi:.3f}")
