@@ -24,10 +24,10 @@ _FACADE = {
     "UnsupportedModelError": "autoshard.passes.guards",
     "DropoutWarning": "autoshard.passes.guards",
     "IdleAxisWarning": "autoshard.cost.idle",
-    "InputMismatchError": "autoshard.runtime.inputs",
+    "InputMismatchError": "autoshard.runtime.execution.inputs",
     "CaptureError": "autoshard.passes.export_errors",
-    "consolidate": "autoshard.runtime.checkpoint",
-    "CheckpointError": "autoshard.runtime.checkpoint",
+    "consolidate": "autoshard.runtime.execution.checkpoint",
+    "CheckpointError": "autoshard.runtime.execution.checkpoint",
 }
 
 __all__ = ["Mesh", *_FACADE]

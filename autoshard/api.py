@@ -39,23 +39,23 @@ from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatch
 from .plan import Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.guards import UnsupportedModelError
-from autoshard.passes.checkpoint import block_name, block_regions
-from autoshard.passes.checkpoint import check_policy as check_recompute_policy
+from autoshard.passes.recompute import block_name, block_regions
+from autoshard.passes.recompute import check_policy as check_recompute_policy
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.param_names import name_parameter_dims
 from autoshard.passes.spmd import LayoutError, lazy_programs, resolve_layout
 from autoshard.cost.model import program_cost, resolve_cost_model
-from autoshard.cost.context import choose_variant
-from autoshard.cost.checkpoint import checkpointed_program_cost
-from autoshard.cost.units import choose_units
+from autoshard.cost.context_parallel import choose_variant
+from autoshard.cost.recompute import checkpointed_program_cost
+from autoshard.cost.zero_units import choose_units
 from autoshard.cost.idle import IdleAxisWarning, idle_axes
 from autoshard.cost.search import plan_search
 from autoshard.cost.pipeline_search import choose_pipeline
 from autoshard.passes.manager import check_disabled
 from autoshard.passes.program import build_program
-from autoshard.passes.units import check_policy
+from autoshard.passes.zero_units import check_policy
 
 
 def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
@@ -101,11 +101,11 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     Mixture-of-Experts layers are recognised (``passes.experts``): their experts dim is named
     ``experts`` and ``layout={"experts": "ep"}`` places experts on ``ep`` with dispatch and
     combine all-to-alls. ``moe={"capacity_factor": 1.25}`` caps the rows per expert (the drop
-    policy of ``autoshard.runtime.experts``); the default is dropless.
+    policy of ``autoshard.runtime.primitives.experts``); the default is dropless.
 
     Context parallelism: a layout that splits attention's query sequence (``{"seq": "cp"}``)
     runs it as ring attention or all-gather-KV attention, chosen by cost
-    (``autoshard.passes.context``); ``context={"order": "zigzag" | "contiguous", "variant":
+    (``autoshard.passes.context_parallel``); ``context={"order": "zigzag" | "contiguous", "variant":
     "ring" | "allgather"}`` fixes the sequence order (zigzag by default for causal or masked
     attention) or the variant.
 
@@ -113,8 +113,8 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks,
     ``plan.checkpoint_policy`` says how). True or ``"block"``: whole blocks; ``"selective"``:
     keep matmul and attention outputs, recompute pointwise ops and norms
-    (``autoshard.passes.checkpoint``); False: never; None lets the search turn it on when the
-    plan fits ``memory_limit`` only with it, selective first (``autoshard.cost.checkpoint``).
+    (``autoshard.passes.recompute``); False: never; None lets the search turn it on when the
+    plan fits ``memory_limit`` only with it, selective first (``autoshard.cost.recompute``).
 
     ``disable_passes``: names of program passes (``autoshard.passes.manager.PROGRAM_PASSES``:
     ``"early_sums"``, ``"overlap_linear"``, ...) not to run on the rewritten program;

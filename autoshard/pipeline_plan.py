@@ -3,7 +3,7 @@
 ``autoshard.autoshard(..., pipeline={"axis": "pp", "microbatches": 8, "schedule": "1f1b"})``
 returns a :class:`PipelinePlan`. The per-rank program is rewritten for the other mesh axes as
 usual and then cut into stages (``passes/pipeline.py``); each step runs the schedule's actions
-(:mod:`autoshard.runtime.pipeline`).
+(:mod:`autoshard.runtime.execution.pipeline`).
 
 Example::
 
@@ -29,15 +29,15 @@ from torch.utils import _pytree as pytree
 from .ownership import assemble, local_shape
 from .plan import Plan
 from .runtime import run_simulated
-from .runtime.context import current
-from .runtime.local import ShardedOptimizer
-from .runtime.pipeline import PipelineRank, PipelineSpec, split_microbatches
-from .runtime.schedules import SCHEDULES, make_schedule
-from .runtime.timeline import chrome_trace, measured_trace
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.execution.local import ShardedOptimizer
+from autoshard.runtime.execution.pipeline import PipelineRank, PipelineSpec, split_microbatches
+from autoshard.runtime.execution.schedules import SCHEDULES, make_schedule
+from autoshard.runtime.execution.timeline import chrome_trace, measured_trace
 from autoshard.cost.model import resolve_cost_model
 from autoshard.cost.stage_memory import stage_memory
 from autoshard.cost.pipeline import bubble, choose_cuts, schedule_timeline, stage_seconds, unit_seconds
-from autoshard.passes.checkpoint import checkpoint_blocks
+from autoshard.passes.recompute import checkpoint_blocks
 from autoshard.passes.pipeline import cut_candidates, cut_profile, even_cuts, split_program
 from autoshard.passes.spmd import LayoutError
 
@@ -110,7 +110,7 @@ class PipelinePlan(Plan):
         return out
 
     def pipeline_spec(self) -> PipelineSpec:
-        """What a rank needs to run this plan (see :class:`autoshard.runtime.pipeline.PipelineSpec`)."""
+        """What a rank needs to run this plan (see :class:`autoshard.runtime.execution.pipeline.PipelineSpec`)."""
         return PipelineSpec(self.rank_spec(), self.axis, self.pipe.stages, self.action_lists, self.microbatches,
                             self.pipe.loss_index, self.pipe.normalizer, self.pipe.normalizer_inputs, self.pipe.tied,
                             self.pipe.loss_reduction)
@@ -449,7 +449,7 @@ def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions, cost_model=None) 
 
 def recompute_stages(plan: PipelinePlan) -> PipelinePlan:
     """Activation recompute in every stage program of ``plan``: its blocks listed in
-    ``plan.checkpoint`` recomputed by ``plan.checkpoint_policy`` (``passes/checkpoint.py``).
+    ``plan.checkpoint`` recomputed by ``plan.checkpoint_policy`` (``passes/recompute.py``).
     A stage's activations are what depends on its user inputs and on the values it receives.
     Schedules that split backward into input- and weight-gradient actions are refused: a
     recomputed block differentiates both at once.

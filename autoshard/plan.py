@@ -21,14 +21,14 @@ from torch.utils import _pytree as pytree
 from .mesh import Mesh
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
-from .runtime import checkpoint as dist_checkpoint
-from .runtime.clip import clip_grad_norm_
-from .runtime.context import current
+from autoshard.runtime.execution import checkpoint as dist_checkpoint
+from autoshard.runtime.execution.clip import clip_grad_norm_
+from autoshard.runtime.transport.rank_context import current
 from .ownership import slice_dim_for
-from .runtime.local import UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes
+from autoshard.runtime.execution.local import (UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes)
 from autoshard.cost.idle import idle_axes_explained
 from autoshard.cost.report import alternatives, cost_report, explain
-from autoshard.passes.checkpoint import checkpoint_blocks
+from autoshard.passes.recompute import checkpoint_blocks
 from autoshard.passes.dims import module_of
 from autoshard.passes.export import export_plan
 
@@ -69,7 +69,7 @@ class Plan:
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
     checkpoint: list = field(default_factory=list)  # blocks recomputed in backward (activation checkpointing)
-    checkpoint_policy: str = "block"  # how: passes.checkpoint.POLICIES
+    checkpoint_policy: str = "block"  # how: passes.recompute.POLICIES
     _rank_spec: object = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
     example_inputs: object = field(default=None, repr=False)
@@ -250,7 +250,7 @@ class Plan:
     # ------------------------------------------------------------------ training
     def build(self, rank: int) -> LocalModule:
         """This rank's program with its parameter pieces as stored (call it inside a rank
-        context). See :mod:`autoshard.runtime.local`."""
+        context). See :mod:`autoshard.runtime.execution.local`."""
         return LocalModule(self.rank_spec(), rank, lambda slot: self.captured.state[slot.target])
 
     def rank_spec(self) -> RankSpec:
@@ -304,7 +304,7 @@ class Plan:
     def clip_grad_norm_(self, local: LocalModule, max_norm: float) -> float:
         """Clip ``local``'s gradients to the global 2-norm ``max_norm`` over every shard and mesh
         axis, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; returns the norm.
-        Call on every rank after backward (see :mod:`autoshard.runtime.clip`).
+        Call on every rank after backward (see :mod:`autoshard.runtime.execution.clip`).
 
         Example::
 
@@ -377,7 +377,7 @@ class Plan:
         """Write this rank's pieces of parameters, buffers and optimizer state to the
         checkpoint directory ``path`` with torch.distributed.checkpoint; call on every rank
         inside its rank context. Atomic: a save killed mid-way never loads. See
-        :mod:`autoshard.runtime.checkpoint`.
+        :mod:`autoshard.runtime.execution.checkpoint`.
 
         Example::
 

@@ -9,7 +9,7 @@ Run: .venv/bin/python benchmarks/calibrate_spearman.py [--hardware hw.json] [--i
    batch 8 x seq 64) is planned for training under 9 layouts on 4-rank meshes; each plan's
    predicted forward + backward time (``plan.cost``: compute + exposed communication, on the
    calibrated hardware) is printed.
-3. The same plans run on 4 gloo processes (``autoshard.runtime.launch.spawn``; each rank builds
+3. The same plans run on 4 gloo processes (``autoshard.runtime.transport.launch.spawn``; each rank builds
    the plan, ``plan.build(rank)``, then times forward + backward, slowest rank's median).
 4. Prints both columns and their Spearman rank correlation (target >= 0.8).
 """
@@ -123,7 +123,7 @@ def main(argv=None):
         plan, _ = make_plan(mesh, layout, hardware=hw)
         predicted[name] = predicted_fwd_bwd(plan)
     t = time.perf_counter()
-    from autoshard.runtime.launch import spawn
+    from autoshard.runtime.transport.launch import spawn
     results = spawn(_measure, 4, a.iters, timeout=900)
     measured = {name: max(r[k][1] for r in results) for k, (name, _, _) in enumerate(PLANS)}
     print(f"measured on 4 gloo processes in {time.perf_counter() - t:.1f} s\n")

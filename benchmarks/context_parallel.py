@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from autoshard import Mesh  # noqa: E402
 from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.launch import spawn  # noqa: E402
-from autoshard.runtime.ring_attention import allgather_attention, order_index, ring_attention  # noqa: E402
+from autoshard.runtime.transport.launch import spawn  # noqa: E402
+from autoshard.runtime.primitives.ring_attention import allgather_attention, order_index, ring_attention  # noqa: E402
 
 H, G, D = 8, 2, 64
 

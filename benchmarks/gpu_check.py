@@ -67,7 +67,7 @@ def run(device: str, dtype, layers: int, dim: int, seq: int, batch: int, rounds:
     import autoshard
     import vs_pytorch as V
     from autoshard.runtime import SimulatedBackend, rank_context
-    from autoshard.runtime.local import LocalModule
+    from autoshard.runtime.execution.local import LocalModule
     dev = torch.device(device)
     model, _ = V.build_model(layers, dim, seq)
     tokens, labels = V.batch(seq, batch)

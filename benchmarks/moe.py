@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.cost.comm import collective_time  # noqa: E402
 from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.launch import spawn  # noqa: E402
+from autoshard.runtime.transport.launch import spawn  # noqa: E402
 from examples.models import moe_tiny  # noqa: E402
 
 

@@ -185,7 +185,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     cfg = ap.parse_args(argv)
-    from autoshard.runtime.launch import spawn
+    from autoshard.runtime.transport.launch import spawn
 
     load = os.getloadavg()
     t = time.time()

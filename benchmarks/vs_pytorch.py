@@ -13,7 +13,7 @@ GELU MLP, tied output head), wrapped with a mean cross-entropy loss, dropout 0. 
 built once per process from one seed; every runtime gets a copy of the same weights and the
 same global batch (data-parallel runtimes split it across ranks, tensor-parallel ones read it
 whole). A step is forward + backward + AdamW. One thread per process, gloo. autoshard's
-collectives go through shared memory (all ranks run on this host; ``runtime/shm.py``), PyTorch's
+collectives go through shared memory (all ranks run on this host; ``runtime/transport/shm.py``), PyTorch's
 through gloo's sockets; ``AUTOSHARD_SHARED_MEMORY=0`` puts autoshard's on gloo's sockets too.
 
 Pairs (each autoshard runtime against the PyTorch runtime a user would otherwise write):

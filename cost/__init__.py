@@ -19,7 +19,7 @@ from .hardware import PRESETS, DeviceSpec, Hardware, LinkSpec, load_hardware, no
 from .memory import ModelState, activation_bytes, kv_cache_bytes, model_state_bytes
 from .pipeline import bubble_fraction, bubble_overhead
 from .experts import tokens_per_expert
-from .context import ContextEstimate, causal_pairs_per_rank, context_parallel_estimate, online_softmax_merge
+from autoshard.cost.context_parallel import (ContextEstimate, causal_pairs_per_rank, context_parallel_estimate, online_softmax_merge)
 
 __all__ = [
     # hardware

@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
-from autoshard.runtime.collectives import all_gather, all_reduce, reduce_scatter
-from autoshard.runtime.launch import spawn
+from autoshard.runtime.primitives.collectives import all_gather, all_reduce, reduce_scatter
+from autoshard.runtime.transport.launch import spawn
 
 from .comm import R, collective_bytes, collective_steps_formula
 from .hardware import DeviceSpec, Hardware, LinkSpec, load_hardware

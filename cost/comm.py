@@ -36,7 +36,7 @@ from typing import Callable
 
 import sympy as sp
 
-from autoshard.runtime.collectives import COMM_KINDS
+from autoshard.runtime.primitives.collectives import COMM_KINDS
 
 from .hardware import LinkSpec
 
@@ -52,7 +52,7 @@ __all__ = [
 
 V, R, alpha, beta = sp.symbols("V R alpha beta", positive=True)
 
-# the runtime's communicating primitives (one table: autoshard/runtime/collectives.py)
+# the runtime's communicating primitives (one table: autoshard/runtime/primitives/collectives.py)
 COLLECTIVE_KINDS = COMM_KINDS
 
 # Build 2*(R-1) unevaluated so it prints as the textbook 2*V*(R - 1)/R, not V*(2*R - 2)/R.

@@ -46,10 +46,10 @@ from autoshard.ownership import held_fraction, slice_dim_for
 from autoshard.passes.early_sums import EARLY_COPY
 from autoshard.passes.overlap_linear import unfused
 from autoshard.passes.spmd import requires_grad_nodes
-from autoshard.runtime.buckets import assign_buckets
-from autoshard.runtime.collectives import backward_collective, start_gather_unit
+from autoshard.runtime.primitives.buckets import assign_buckets
+from autoshard.runtime.primitives.collectives import backward_collective, start_gather_unit
 
-from .context import attention_seconds
+from autoshard.cost.context_parallel import attention_seconds
 from .comm import R as R_SYM, V as V_SYM, collective_bytes, collective_formula, collective_time
 from .compute import roofline_time
 from .hardware import Hardware, load_hardware, normalize_dtype
@@ -203,7 +203,7 @@ def op_work(target, args, kwargs, outs: list) -> tuple[float, float]:
         q, k = args[0].meta["val"], args[1].meta["val"]
         t, d = int(k.shape[-2]), int(q.shape[-1])
         # a causal kernel computes the visible (query, key) pairs only: (t+1)/2t of them, as
-        # ring attention's cost does (cost/context.py), so the two compare on equal terms
+        # ring attention's cost does (cost/context_parallel.py), so the two compare on equal terms
         causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
         frac = (t + 1) / (2 * t) if causal and int(q.shape[-2]) == t else 1.0
         return 2.0 * (_numel(q) * t + _numel(out0) * t) * frac + 0 * d, nbytes
@@ -271,7 +271,7 @@ class Comm:
     gathered_param_bytes: int = 0  # output bytes of a parameter gather (ZeRO-3 temporaries)
     buffer_bytes: int = 0  # send + receive buffers of the largest part
     # ZeRO-3 units: the gather was started when the previous unit's finished (prefetch) or after
-    # the plain collectives on its axes that follow that one (passes/units.py), and
+    # the plain collectives on its axes that follow that one (passes/zero_units.py), and
     # the flat buffers are copied in and out (forward; backward with the gradient buffers).
     prefetched: bool = False
     copy_fwd_s: float = 0.0
@@ -304,8 +304,8 @@ class Segment:
     saved_bytes: int = 0  # activations saved for backward
     max_act_bytes: int = 0
     saved_by_module: dict = field(default_factory=dict)  # module FQN -> its part of saved_bytes
-    boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/checkpoint.py)
-    selective: Optional[tuple] = None  # (held bytes, recomputed ops) under the selective policy (cost/checkpoint.py)
+    boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/recompute.py)
+    selective: Optional[tuple] = None  # (held bytes, recomputed ops) under the selective policy (cost/recompute.py)
 
     def key(self):
         return (tuple(x if isinstance(x, tuple) else x.key() for x in self.items), self.saved_bytes,
@@ -313,7 +313,7 @@ class Segment:
 
 
 def _is_collective_fn(target) -> bool:
-    return getattr(target, "__module__", "") == "autoshard.runtime.collectives"
+    return getattr(target, "__module__", "") == "autoshard.runtime.primitives.collectives"
 
 
 def _add(d: dict, key, n) -> None:
@@ -423,7 +423,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
         att = (node.meta.get("autoshard") or {}).get("context")
-        if att is not None:  # ring / all-gather attention: its hops and compute (cost/context.py)
+        if att is not None:  # ring / all-gather attention: its hops and compute (cost/context_parallel.py)
             q, kv = node.args[0].meta["val"], node.args[1].meta["val"]
             t, tb = attention_seconds(cm, mesh, att.axis, att.variant, tuple(q.shape), tuple(kv.shape),
                                       q.element_size(), att.causal, att.order)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
-from autoshard.runtime.schedules import Action, dependencies, stage_rank
-from autoshard.runtime.timeline import chrome_trace  # noqa: F401 - the trace format, re-exported
+from autoshard.runtime.execution.schedules import Action, dependencies, stage_rank
+from autoshard.runtime.execution.timeline import chrome_trace  # noqa: F401 - the trace format, re-exported
 
 from .model import op_seconds
 
@@ -67,12 +67,12 @@ def schedule_timeline(actions: list, times, transfer=0.0) -> dict:
     plus ``transfer`` seconds when they ran on another rank.
 
     ``actions``: per pipeline rank, the ordered ``Action`` lists of
-    :mod:`autoshard.runtime.schedules`; ``times(action) -> seconds`` (or a dict {"F": s, "B": s,
+    :mod:`autoshard.runtime.execution.schedules`; ``times(action) -> seconds`` (or a dict {"F": s, "B": s,
     "W": s} for equal stages); ``transfer``: seconds per boundary message, a number or
     ``transfer(stage) -> seconds`` for the boundary after ``stage``.
     Returns ``{rank: [(action, start, end)]}``.
 
-    >>> from autoshard.runtime.schedules import make_schedule
+    >>> from autoshard.runtime.execution.schedules import make_schedule
     >>> tl = schedule_timeline(make_schedule("gpipe", 4, 8), {"F": 1.0, "B": 2.0})
     >>> round(bubble(tl), 4)      # (K-1)/(M+K-1) = 3/11
     0.2727
@@ -107,7 +107,7 @@ def schedule_timeline(actions: list, times, transfer=0.0) -> dict:
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            raise ValueError("schedule deadlocks; check it with autoshard.runtime.schedules.check_schedule")
+            raise ValueError("schedule deadlocks; check it with autoshard.runtime.execution.schedules.check_schedule")
     return out
 
 
@@ -126,7 +126,7 @@ def stage_seconds(stage_graph, cm) -> float:
     ``meta['val']``): the sum of the cost model's op times."""
     total = 0.0
     for n in stage_graph.graph.nodes:
-        if n.op != "call_function" or getattr(n.target, "__module__", "") == "autoshard.runtime.collectives":
+        if n.op != "call_function" or getattr(n.target, "__module__", "") == "autoshard.runtime.primitives.collectives":
             continue
         val = n.meta.get("val")
         outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if hasattr(v, "shape")]
@@ -140,7 +140,7 @@ def unit_seconds(profile, cm) -> list:
     """Predicted forward seconds of each unit of a :class:`autoshard.passes.pipeline.CutProfile`
     (the cost model's op times; exactly rounded sums)."""
     def secs(n):
-        if getattr(n.target, "__module__", "") == "autoshard.runtime.collectives":
+        if getattr(n.target, "__module__", "") == "autoshard.runtime.primitives.collectives":
             return 0.0
         val = n.meta.get("val")
         outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if hasattr(v, "shape")]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from autoshard.mesh import Mesh
-from autoshard.runtime.schedules import make_schedule
+from autoshard.runtime.execution.schedules import make_schedule
 
 from .model import block_of_module, resolve_cost_model
 from .pipeline import bubble, schedule_timeline
@@ -335,7 +335,7 @@ def choose_pipeline(graph, inputs, info, automesh, axis: str, *, batch: int, con
         for relax in ((1, 2, 4, None) if memory_limit else (None,)):
             lim = memory_limit / frac * relax if relax else None
             try:
-                # the inner plan may recompute activations (cost/checkpoint.py), priced per stage
+                # the inner plan may recompute activations (cost/recompute.py), priced per stage
                 res = plan_search(graph, inputs, info, by_pp[pp], checkpoint=checkpoint, memory_limit=lim, **common)
             except ValueError:
                 continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 from autoshard.passes.program import build_program
 from autoshard.passes.spmd import resolve_layout
 
-from .checkpoint import checkpointed_program_cost
+from autoshard.cost.recompute import checkpointed_program_cost
 from .model import PlanCost, program_cost, resolve_cost_model
 
 __all__ = ["plan_cost", "layout_cost"]

@@ -13,7 +13,7 @@ import torch
 from autoshard.ownership import local_shape
 from autoshard.passes.spmd import LayoutError
 
-from .context import context_explanation
+from autoshard.cost.context_parallel import context_explanation
 from .idle import idle_axes_explained
 from .model import formula_text
 from .plan_cost import _cost_model, layout_cost, plan_cost
@@ -106,7 +106,7 @@ def _mesh_of(e, res):
 
 
 def _context_lines(plan, res, cost) -> list:
-    """explain()'s sentences on context-parallel attention (cost/context.py), with the
+    """explain()'s sentences on context-parallel attention (cost/context_parallel.py), with the
     search's fastest candidate that keeps the sequence whole when it was over memory_limit."""
     ctx = getattr(plan.program, "context", None)
     if not ctx:

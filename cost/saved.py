@@ -9,7 +9,7 @@ storage it lives in (a view counts as its base), and only if it is an activation
 program: parameters and buffers are state, counted apart, and so are values made only from
 parameters (a weight's transpose, a ZeRO-3 gather, whose release the state model prices).
 
-This is what ``runtime.recompute.SavedBytes`` measures at run time (distinct storages held for
+This is what ``runtime.primitives.recompute.SavedBytes`` measures at run time (distinct storages held for
 backward), so a plan's predicted activations can be compared with it (``run.py --memory``).
 
 Example::
@@ -24,7 +24,7 @@ import operator
 
 import torch
 
-from autoshard.runtime.overlap_linear import varying_linears
+from autoshard.runtime.primitives.overlap_linear import varying_linears
 
 aten = torch.ops.aten
 ATTENTION = (("in!", 0), ("in!", 1), ("in!", 2), "out", "lse")  # q, k, v, output, log-sum-exp

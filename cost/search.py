@@ -63,9 +63,9 @@ from autoshard.passes.soft import SOFT_MARK, is_soft, soft_layout_value
 from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, input_placements, lazy_programs,
                                   requires_grad_nodes, resolve_layout, rewrite)
 
-from .checkpoint import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
+from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
-from .context import ContextSearch
+from autoshard.cost.context_parallel import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
                     resolve_cost_model, simulate, state_memory)
@@ -374,9 +374,9 @@ class SearchSpace:
         # default; soft=False restricts the space to hard entries (docs/search.md).
         self.soft_search = True if soft is None else bool(soft)
         self.bucket_bytes = int(bucket_mb * 2 ** 20) if bucket_mb else 0
-        self.units = units  # ZeRO-3 unit policy (autoshard.passes.units)
+        self.units = units  # ZeRO-3 unit policy (autoshard.passes.zero_units)
         # activation checkpointing of the repeated blocks: True / False forced, None: on only
-        # when the plan needs it to fit memory_limit (cost/checkpoint.py)
+        # when the plan needs it to fit memory_limit (cost/recompute.py)
         self.checkpoint = checkpoint
         self.display = display or {i.name: i.target for i in self.inputs}
         self.names = sorted(set(info.names.values()))
@@ -399,7 +399,7 @@ class SearchSpace:
         self.vals = {n.name: n.meta.get("val") for n in graph.nodes if n.op == "placeholder"}
         self.grad_inputs = {i.name for i in self.inputs if i.kind == "parameter" and i.trainable}
         self._LayoutError = LayoutError
-        # context parallelism: which names may split attention's queries (cost/context.py)
+        # context parallelism: which names may split attention's queries (cost/context_parallel.py)
         self.context = ContextSearch(graph, info, cm)
         # Constraints on inferred names or globs may name dims of the blocks cut away: whole graph.
         # ``shared``: state reusable across meshes of one search (the cut graph, one-axis records)
@@ -782,7 +782,7 @@ class SearchSpace:
 
         if not self._may_checkpoint(segs):
             return run(segs)
-        # activation checkpointing (cost/checkpoint.py): on when only the recomputing plan fits
+        # activation checkpointing (cost/recompute.py): on when only the recomputing plan fits
         options = {p: (lambda p=p: run(checkpointed_segments(segs, p, self.cm))) for p in ("selective", "block")}
         return checkpoint_choice(run(segs), options, self.memory_limit, self.checkpoint)[1]
 

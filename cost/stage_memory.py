@@ -1,7 +1,7 @@
 """Predicted memory of each pipeline rank of a pipelined plan: its stages' state, and their
 activations as the schedule holds them (a microbatch's activations of a stage are kept from
 its forward to its backward), with activation recompute priced per stage as in
-``cost/checkpoint.py``. This is what ``run.py --memory`` compares each rank's measurement with.
+``cost/recompute.py``. This is what ``run.py --memory`` compares each rank's measurement with.
 
 Example::
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .checkpoint import annotate_boundaries, checkpointed_segments
-from .model import program_events, resolve_cost_model
+from autoshard.cost.recompute import annotate_boundaries, checkpointed_segments
+from autoshard.cost.model import program_events, resolve_cost_model
 
 
 def _stage_activations(plan, gm, slots, cm) -> tuple:

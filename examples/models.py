@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoshard.runtime.experts import grouped_mm
+from autoshard.runtime.primitives.experts import grouped_mm
 
 __all__ = [
     "LlamaConfig", "Llama", "GPT2Config", "GPT2", "Conv1D", "init_weights",

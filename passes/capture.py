@@ -26,7 +26,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
-from autoshard.runtime.inputs import InputMismatchError
+from autoshard.runtime.execution.inputs import InputMismatchError
 
 from .decompose import decompose
 from .dims import module_of

@@ -25,9 +25,9 @@ import operator
 import torch
 from torch import fx
 
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 
-from .checkpoint import block_of
+from autoshard.passes.recompute import block_of
 from .rules import is_inplace
 
 

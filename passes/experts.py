@@ -4,7 +4,7 @@ An MoE layer routes every token to a few experts and sums their outputs, weighte
 router. Its code cannot be sharded op by op: it sorts the tokens of the whole batch by expert,
 counts rows per expert and indexes by those counts. Instead this pass recognises the layer as a
 *region* with a known meaning and writes a per-rank program for it (the runtime pieces are in
-``autoshard.runtime.experts``):
+``autoshard.runtime.primitives.experts``):
 
     this rank's tokens -> (token, expert) pairs grouped by expert -> [count exchange, dispatch
     all-to-all on the experts' axis] -> the experts' own code on the rows of this rank's experts
@@ -27,7 +27,7 @@ replaced, not sharded. Three shapes of MoE code are recognised:
   expert weights selected (``w[top_k_index.reshape(-1)]``) and applied by ``bmm``, the rows
   weighted and summed over each token's k pairs. Same meaning as grouped; on each rank the body
   runs on the rows of its experts, selecting weights by the rows' local expert ids
-  (``autoshard.runtime.experts.expert_ids``). The experts dim is the selected weights' leading dim
+  (``autoshard.runtime.primitives.experts.expert_ids``). The experts dim is the selected weights' leading dim
   (one logical dim for all of them: the same ids select from each).
 - **looped** (dense experts): a ``ModuleList`` of identical expert modules, each applied to the
   same tokens ``x``, its output multiplied by a per-token weight ``w_e`` (zero for tokens that
@@ -66,8 +66,8 @@ import torch
 from torch import fx
 
 from autoshard.ownership import Owned, R, Shard
-from autoshard.runtime import collectives as C
-from autoshard.runtime import experts as X
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.primitives import experts as X
 
 from .dims import DimInfo, module_of, source_line
 from .rules import grouped_matmul_rule, rule_for
@@ -130,7 +130,7 @@ def find_expert_regions(graph: fx.Graph, info: DimInfo, capacity_factor: Optiona
                         warn: bool = True) -> list:
     """The MoE regions of ``graph`` (kept in ``info.recognised``). Names each region's experts dim
     ``experts`` unless the user named it; a ``ModuleList`` gets a new logical dim of size E.
-    ``capacity_factor``: the expert capacity policy of ``autoshard.runtime.experts`` (None:
+    ``capacity_factor``: the expert capacity policy of ``autoshard.runtime.primitives.experts`` (None:
     dropless). A module that looks like an MoE layer but cannot be recognised is reported with
     a :class:`MoEWarning` and left to the generic rules."""
     regions = info.recognised.get(EXPERTS)

@@ -6,7 +6,8 @@
       program.py     the per-rank program as Python, generated from the rewritten FX graph;
                      a comment above every collective names its module and why it is there
       plan.json      mesh, layout, every input's owner per mesh axis, collectives, cost
-      run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K]
+      run.py         the launcher: torchrun --nproc-per-node=N path/run.py [--check] [--steps K];
+                     it calls the installed runner, autoshard.runtime.export
       weights.pt     parameters and buffers the program reads (torch.save, loaded with mmap)
       buffers.pt     instead of weights.pt for a model on the meta device: its non-persistent
                      buffers, recomputed on the CPU (parameters come from run.py --weights)
@@ -49,19 +50,20 @@ from torch.utils import _pytree as pytree
 from autoshard import ownership
 from autoshard.mesh import Mesh
 from autoshard.ownership import describe, local_shape, slice_dim_for
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 from autoshard.runtime import run_simulated
-from autoshard.runtime.local import LOW_PRECISION
-from autoshard.runtime.overlap_linear import varying_linears
+from autoshard.runtime.execution.local import LOW_PRECISION
+from autoshard.runtime.primitives.overlap_linear import varying_linears
+from autoshard.runtime import export as runner  # the export runner, which run.py calls
+from autoshard.runtime.export import FORMAT, VERSION
+from autoshard.runtime.export.launcher import run_py_source
 
-from . import export_recompute, export_runner
+from . import export_recompute
 
 from .buffers import RecomputeError, non_persistent_buffers, recompute_buffers
 from .dims import module_of, source_line
 from .overlap_linear import SUM
 
-FORMAT = "autoshard-export"
-VERSION = 1
 PROGRAM, PLAN_JSON, RUNNER = "program.py", "plan.json", "run.py"
 WEIGHTS, INPUTS, REFERENCE = "weights.pt", "inputs.pt", "reference.pt"
 BUFFERS = "buffers.pt"  # a meta model's export: the tensors no checkpoint has
@@ -177,7 +179,7 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
     val_map: dict = {}
     out = graph.graph_copy(gm.graph, val_map)
     graph.output(out)
-    # recomputed regions (passes/checkpoint.py) become functions of the file, called through
+    # recomputed regions (passes/recompute.py) become functions of the file, called through
     # the runtime's recompute (export_recompute.py)
     regions = export_recompute.region_calls(gm, graph, _Literal)
     pieces = [_module_body(sub, mesh, [], {}, name) for name, sub in regions]
@@ -269,7 +271,7 @@ def _imports(globals_: dict, src: str, collective_fns: dict) -> str:
         else:
             raise ExportError(f"the program refers to {obj!r} as {name!r}, which cannot be imported by name")
     if coll:
-        lines.append("from autoshard.runtime.collectives import " + ", ".join(coll))
+        lines.append("from autoshard.runtime.primitives.collectives import " + ", ".join(coll))
     lines.extend(others)
     lines += ["", "aten = torch.ops.aten",
               "# Tensors the program creates (arange, zeros, ...) go here; run.py sets this rank's device.",
@@ -519,8 +521,8 @@ def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -
     that would fix them, or ''). The checkpoint is read as run.py reads it (a safetensors
     source: its headers only)."""
     try:
-        state = export_runner.read_checkpoint(path, prefix)
-    except export_runner.RunError as e:
+        state = runner.read_checkpoint(path, prefix)
+    except runner.RunError as e:
         raise ExportError(str(e)) from None
     reverse: dict = {}
     for alias, kept in plan.captured.aliases.items():
@@ -536,7 +538,7 @@ def _check_checkpoint(path: Path, plan, inputs_meta, needed: set, prefix=None) -
                 raise ExportError(f"checkpoint {path}: {hit} has shape {list(state[hit].shape)}, the model "
                                   f"has {m['shape']}")
     known = {n for m in inputs_meta for n in [m["target"]] + reverse.get(m["target"], [])}
-    fix = export_runner._common_prefix_fix([k for k in state if k not in known], missing, "give weights_prefix={!r}")
+    fix = runner._common_prefix_fix([k for k in state if k not in known], missing, "give weights_prefix={!r}")
     return missing, fix
 
 
@@ -670,7 +672,7 @@ def export_plan(plan, path, args=None, kwargs=None, *, weights=None, reference: 
     try:
         for name, src in sources.items():
             (tmp / name).write_text(src)
-        shutil.copyfile(Path(__file__).with_name("export_runner.py"), tmp / RUNNER)
+        (tmp / RUNNER).write_text(run_py_source())  # a launcher: the runner is the installed core
         if meta_model:
             torch.save(exported, tmp / BUFFERS)
         else:
@@ -740,7 +742,7 @@ def run_torchrun(path, nproc: Optional[int] = None, *run_args: str, timeout: Opt
 
 def load_program(path):
     """The ``program`` module of an export directory (``forward`` is the per-rank program)."""
-    return export_runner.load_program(Path(path))
+    return runner.load_program(Path(path))
 
 
 def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float = 1e-3, check: bool = False,
@@ -752,7 +754,7 @@ def simulate_export(path, *, steps: int = 0, optimizer: str = "adamw", lr: float
     with the saved references (``ok``, ``worst_out``, ``worst_grad``, ``problems``). A pipelined
     export runs its schedule: ``outputs`` is ``{microbatch: flat local outputs}`` on the last
     stage's ranks (None elsewhere) and ``losses`` the step losses on every rank."""
-    R = export_runner
+    R = runner
     path = Path(path)
     doc = R.read_plan(path)
     program = R.load_programs(path, doc)
@@ -780,7 +782,7 @@ def simulate_run(path, *argv: str) -> list:
 
         simulate_run("out", "--steps", "4", "--data", "tokens.bin", "--ckpt", "ck", "--save-every", "2")
     """
-    R = export_runner
+    R = runner
     path = Path(path)
     args = R._parser().parse_args(list(argv))
     doc = R.read_plan(path)

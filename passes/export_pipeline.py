@@ -16,8 +16,8 @@ holds::
 
 User inputs are described with the shapes of one step's global batch (``microbatch_shape``:
 what a stage program sees); ``run.py`` splits the batch on dim 0 into the microbatches and
-runs the schedule with :class:`autoshard.runtime.pipeline.PipelineRank`
-(:mod:`autoshard.passes.export_pipeline_runner`).
+runs the schedule with :class:`autoshard.runtime.execution.pipeline.PipelineRank`
+(:mod:`autoshard.runtime.export.pipeline`).
 
 Example::
 
@@ -112,7 +112,7 @@ def step_inputs(plan, inputs_meta: list) -> list:
 
 def pipeline_json(plan) -> dict:
     """plan.json's ``"pipeline"`` section: what run.py needs to rebuild the
-    :class:`~autoshard.runtime.pipeline.PipelineSpec` from the stage files.
+    :class:`~autoshard.runtime.execution.pipeline.PipelineSpec` from the stage files.
 
     Example::
 

@@ -1,5 +1,5 @@
 """Activation recompute in an exported program: each region the checkpointing pass cut out
-(``passes/checkpoint.py``: a ``call_module`` of ``runtime.recompute.Recomputed``) is written as
+(``passes/recompute.py``: a ``call_module`` of ``runtime.primitives.recompute.Recomputed``) is written as
 a function of its own in program.py, and ``forward`` calls it through the runtime's
 ``recompute`` (whole block) or ``recompute_selective`` (the region's ``keep(...)`` ops kept),
 so run.py trains with the recompute the plan was priced with, and a reader sees it::
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.runtime.recompute import Recomputed, keep, recompute, recompute_selective
+from autoshard.runtime.primitives.recompute import Recomputed, keep, recompute, recompute_selective
 
 RUNTIME_FUNCTIONS = (keep, recompute, recompute_selective)  # imported by program.py under their names
 

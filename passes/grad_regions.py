@@ -31,7 +31,7 @@ import dataclasses
 from torch import fx
 
 from autoshard.ownership import Replicate
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 
 from .rules import GETITEM
 

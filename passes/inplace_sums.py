@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 
 from .marks import mark
 

@@ -5,7 +5,7 @@ division by the token count). Backward never reads that sum (the all-reduce's ba
 identity), only whoever reads the loss does. Waiting for it at the end of forward makes every
 rank wait for the slowest once more per step; this pass marks such an ``all_reduce`` node
 ``lazy=True`` instead, so the program starts the sum and returns a
-:class:`~autoshard.runtime.pending_value.PendingValue`, which waits when its data is first
+:class:`~autoshard.runtime.primitives.pending_value.PendingValue`, which waits when its data is first
 read (``loss.item()``, printing it) and otherwise at the end of backward. Values are unchanged
 bit for bit: the same sum of the same partials, waited for later.
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoshard.runtime import collectives as C
-from autoshard.runtime.pending_value import replayable
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.primitives.pending_value import replayable
 
-from .checkpoint import block_of
+from autoshard.passes.recompute import block_of
 from .marks import mark
 
 LAZY = "; returned before it arrives: reading the value waits for it, backward does not"

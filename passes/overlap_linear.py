@@ -4,7 +4,7 @@ Tensor parallelism reads a replicated activation in column-parallel linears thro
 ``mark_varying``, whose backward all-reduces the activation's gradient. Autograd computes each
 linear's input and weight gradients in one node, so that all-reduce starts only once every
 weight gradient is done and then blocks. This pass replaces ``mark_varying`` and the linears
-reading it by one :func:`~autoshard.runtime.overlap_linear.varying_linears` call (and a getitem
+reading it by one :func:`~autoshard.runtime.primitives.overlap_linear.varying_linears` call (and a getitem
 per linear), whose backward starts the all-reduce as soon as the input gradient exists and
 computes the weight gradients while it runs. Values are unchanged bit for bit (the runtime
 function's docstring says why); ``plan.collectives`` keeps the one all-reduce, under its tag.
@@ -35,10 +35,10 @@ import operator
 import torch
 from torch import fx
 
-from autoshard.runtime import collectives as C
-from autoshard.runtime.overlap_linear import varying_linears
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.primitives.overlap_linear import varying_linears
 
-from .checkpoint import block_of
+from autoshard.passes.recompute import block_of
 from .guards import written_arguments
 
 aten = torch.ops.aten

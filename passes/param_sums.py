@@ -6,7 +6,7 @@ all-reduces the parameter's gradient and, run synchronously, blocks backward unt
 ``mark_varying`` is the parameter's only use, backward never reads that sum (only the
 optimizer does, after backward). This pass marks such a node ``later=True``: backward starts
 the all-reduce, goes on, and the sum is added into ``.grad`` when backward ends
-(:mod:`autoshard.runtime.param_sums`; the same values bit for bit).
+(:mod:`autoshard.runtime.primitives.param_sums`; the same values bit for bit).
 
 Marked: ``mark_varying`` nodes whose input is a trainable parameter as the program receives it
 (a placeholder, so not a ZeRO gather nor a persistent copy) with no other user, except
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.runtime import collectives as C
+from autoshard.runtime.primitives import collectives as C
 
 from .marks import mark
 

@@ -42,7 +42,7 @@ import torch
 from torch import fx
 
 from autoshard.ownership import describe
-from autoshard.runtime.pipeline import BoundarySpec, StageSpec
+from autoshard.runtime.execution.pipeline import BoundarySpec, StageSpec
 
 from .dims import module_of, source_line
 from .rules import _is_view, is_inplace
@@ -111,7 +111,7 @@ def _is_scalar(node) -> bool:
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "__module__", "") == "autoshard.runtime.collectives"
+    return node.op == "call_function" and getattr(node.target, "__module__", "") == "autoshard.runtime.primitives.collectives"
 
 
 def block_start(fqn: str) -> Optional[str]:

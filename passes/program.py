@@ -17,14 +17,14 @@ import contextlib
 import torch
 
 from autoshard.ownership import ParamStorage, Shard, data_axes, local_shape, slice_dim_for
-from autoshard.runtime.buckets import assign_buckets
+from autoshard.runtime.primitives.buckets import assign_buckets
 
-from . import context as cp
+from autoshard.passes import context_parallel as cp
 from . import vocab_parallel as vp
 from .manager import PassContext, run_program_passes
 from .experts import find_expert_regions, lowerings, owned_placements, regional_layout, stacked_placements
 from .spmd import Collective, LayoutError, input_placements, lazy_programs, rewrite
-from .units import group_units
+from autoshard.passes.zero_units import group_units
 
 
 def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, stage: int,
@@ -56,8 +56,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     """The per-rank program of a resolved layout with a state-sharding level: the data axes
     (axes that split an input), ZeRO storage, the SPMD rewrite, and the collectives of state
     sharding and gradient buckets that the forward program does not show; ZeRO-3 gathers are
-    grouped by the unit policy ``units`` (:mod:`autoshard.passes.units`); attention over a split
-    sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context`, options
+    grouped by the unit policy ``units`` (:mod:`autoshard.passes.zero_units`); attention over a split
+    sequence becomes ring / all-gather attention (:mod:`autoshard.passes.context_parallel`, options
     ``context``); a cross-entropy over logits split by class on one axis is computed there
     (:mod:`autoshard.passes.vocab_parallel`). ``program_passes``: run the passes of
     :mod:`autoshard.passes.manager` on the rewritten program (forward sums started early, lazy

@@ -3,7 +3,7 @@
 Given named dims (``passes.dims``) and a layout (which mesh axes shard which logical dims),
 decide for every value its placement (one of Shard(d) / Replicate / Partial per mesh axis), and
 build the per-rank program: the original aten ops on local blocks, with a collective from
-``autoshard.runtime.collectives`` wherever a consumer needs another ownership than the producer
+``autoshard.runtime.primitives.collectives`` wherever a consumer needs another ownership than the producer
 gave. Each collective's backward is its declared adjoint, so gradients follow exactly.
 
 Per op and per mesh axis, one of three modes (the op's rule says which letters allow which):
@@ -37,8 +37,8 @@ from torch import fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from autoshard.ownership import Owned, P, R, Partial, Replicate, Shard, local_shape
-from autoshard.runtime import collectives as C
-from autoshard.runtime.ring_attention import zigzag_permute
+from autoshard.runtime.primitives import collectives as C
+from autoshard.runtime.primitives.ring_attention import zigzag_permute
 
 from .dims import DimInfo, module_of, source_line
 from .export_errors import CaptureError
@@ -91,7 +91,7 @@ class Layout:
     sizes: dict  # name -> size
     soft: dict = field(default_factory=dict)  # axis -> units of soft entries (passes/soft.py)
     soft_assignment: dict = field(default_factory=dict)  # name -> axes, soft entries
-    # Context parallelism (passes/context.py): axis -> (unit, "zigzag" | "contiguous") for a
+    # Context parallelism (passes/context_parallel.py): axis -> (unit, "zigzag" | "contiguous") for a
     # sequence split on that axis. A tensor with that dim twice (a mask [s_q, s_k]) is split
     # on the first (its query rows); under zigzag, a block of that dim holds chunks i and 2R-1-i,
     # so gathers and slices of it reorder (runtime.ring_attention.zigzag_permute).

@@ -4,7 +4,7 @@
 split by vocab (a column-parallel output head, ``layout={"vocab": "tp"}``) would be all-gathered
 before the loss: ``N*C`` values to every rank, and the whole softmax on each. When the logits
 arrive split on exactly one axis by their class dim, this lowering writes the node as
-:func:`autoshard.runtime.vocab_parallel.vocab_parallel_cross_entropy` instead: each rank works
+:func:`autoshard.runtime.primitives.vocab_parallel.vocab_parallel_cross_entropy` instead: each rank works
 on its columns and only the softmax statistics travel (a gather of the row maxima, one sum of
 ``[sum exp, target logit]``: ``3N`` values per rank, none in backward).
 
@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from autoshard.ownership import Partial, R, Shard
-from autoshard.runtime.vocab_parallel import vocab_parallel_cross_entropy
+from autoshard.runtime.primitives.vocab_parallel import vocab_parallel_cross_entropy
 
 from .dims import module_of, source_line
 from .rules import arg, shape_of

@@ -193,7 +193,7 @@ REFUSED = {
                                                                     mesh=Mesh({"dp": 2}), dims=["batch -"],
                                                                     layout={"batch": "dp"})),
     # model features and inputs a plan would not reproduce (items 2-4, refused by passes/guards.py
-    # and runtime/inputs.py)
+    # and runtime/execution/inputs.py)
     "simulate_other_batch": (autoshard.InputMismatchError, r"input input has shape \(8, 8\); the plan was made "
                                                            r"for shape \(4, 8\)",
                              lambda: plan_mlp().simulate(torch.randn(8, 8))),
@@ -333,7 +333,7 @@ def test_cli_run_passes_arguments_after_the_double_dash(monkeypatch, capsys):
 # an exported run.py, before its process group starts (items 6 and 9): RunError, one line
 # ------------------------------------------------------------------------------------------------
 
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import simulate_export  # noqa: E402
 
 
@@ -447,11 +447,11 @@ def test_runpy_refuses_a_ckpt_directory_without_room_for_one_checkpoint(export_d
     assert need == 3 * params + buffers  # weights and AdamW's two moments
     assert R.checkpoint_bytes(doc, "sgd") == params + buffers
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: usage._replace(free=need - 1))
+    monkeypatch.setattr(R.training.shutil, "disk_usage", lambda p: usage._replace(free=need - 1))
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(R.RunError, match=r"^--ckpt \S+ has [\d.,]+ MiB free; one checkpoint of this program takes "):
         R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
-    monkeypatch.setattr(R.shutil, "disk_usage", lambda p: usage._replace(free=need))
+    monkeypatch.setattr(R.training.shutil, "disk_usage", lambda p: usage._replace(free=need))
     ctx = R.prepare(src, R._parser().parse_args(["--steps", "1", "--ckpt", str(tmp_path / "ck")]))
     ctx["loop"]["lock"].release()  # this process is the job's rank 0: it held the directory
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [".autoshard-lock"]  # the write test leaves nothing

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard import CaptureError, Mesh
-from autoshard.passes import export_runner as R
+from autoshard.runtime import export as R
 from exactness import reference_train, sgd_momentum
 from test_property import close
 

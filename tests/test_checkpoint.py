@@ -11,8 +11,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 import autoshard
 from autoshard import Mesh
 from autoshard.runtime import run_simulated
-from autoshard.runtime.context import current
-from autoshard.runtime.recompute import SavedBytes, recompute
+from autoshard.runtime.transport.rank_context import current
+from autoshard.runtime.primitives.recompute import SavedBytes, recompute
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402

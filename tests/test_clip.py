@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
 from autoshard.runtime import run_simulated  # noqa: E402
-from autoshard.runtime.clip import clip_grad_norm_  # noqa: E402
+from autoshard.runtime.execution.clip import clip_grad_norm_  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"})

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from autoshard import Mesh
 from autoshard.cost import DeviceSpec, LinkSpec, causal_pairs_per_rank, context_parallel_estimate, online_softmax_merge
 from autoshard.runtime import run_simulated
-from autoshard.runtime.ring_attention import (allgather_attention, order_index, ring_attention,
-                                              zigzag_permute)
+from autoshard.runtime.primitives.ring_attention import (allgather_attention, order_index, ring_attention, zigzag_permute)
 
 GiB = 2 ** 30
 
@@ -152,7 +151,7 @@ def test_ring_skips_fully_masked_blocks():
     # all in its future and skipped (the trace still shows the 3 hops of the ring)
     S, R = 16, 4
     q, k, v = (torch.randn(1, 2, S, 4) for _ in range(3))
-    from autoshard.runtime import ring_attention as ra
+    from autoshard.runtime.primitives import ring_attention as ra
     calls = []
     orig = ra._Blocks.scores
 

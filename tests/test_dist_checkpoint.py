@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autoshard  # noqa: E402
 from autoshard.ownership import assemble, local_piece  # noqa: E402
 from autoshard.runtime import run_simulated  # noqa: E402
-from autoshard.runtime.checkpoint import CheckpointError  # noqa: E402
+from autoshard.runtime.execution.checkpoint import CheckpointError  # noqa: E402
 from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
 from exactness import reference_train, reference_train64, to_float64, train_steps, within_spread  # noqa: E402
 
@@ -166,7 +166,7 @@ def test_reshard_dp_tp_zero3_to_tp4_dp4_zero1_and_one_device(tmp_path):
                 assert torch.equal(st["step"], want["step"])
 
     # one device: the plain model and a plain torch optimizer
-    from autoshard.runtime.checkpoint import load_into_module
+    from autoshard.runtime.execution.checkpoint import load_into_module
 
     model, _, _ = llama_tiny(with_labels=True, seed=5)  # other weights: all must be overwritten
     opt = adamw(model.parameters())
@@ -335,7 +335,7 @@ def test_resume_is_bit_exact_with_mixed_precision_and_experts(tmp_path, kind):
              else moe_tiny(experts="looped", with_labels=True, seed=9))[0]
     fresh.load_state_dict(state, strict=True)
     if kind == "bf16-zero3":
-        masters = autoshard.runtime.checkpoint.consolidate_optimizer(tmp_path / "ckpt")
+        masters = autoshard.runtime.execution.checkpoint.consolidate_optimizer(tmp_path / "ckpt")
         w = "layers.0.mlp.up_proj.weight" if "layers.0.mlp.up_proj.weight" in masters else next(iter(masters))
         assert masters[w]["fp32_master"].dtype == torch.float32
         assert torch.equal(masters[w]["fp32_master"].to(torch.bfloat16), state[w])

@@ -19,7 +19,7 @@ import autoshard
 from autoshard import Mesh
 from autoshard.cost import tokens_per_expert
 from autoshard.runtime import run_simulated
-from autoshard.runtime import experts as X
+from autoshard.runtime.primitives import experts as X
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import ExportError, simulate_export, torchrun_command  # noqa: E402
-from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
+from autoshard.runtime.primitives.collectives import ADJOINTS  # noqa: E402
 from examples.models import gpt2_tiny, llama_tiny  # noqa: E402
 
 DP_TP = dict(mesh={"dp": 2, "tp": 2}, layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, with_labels=True)
@@ -93,7 +93,7 @@ def test_every_collective_has_a_comment_naming_module_and_reason(exports, name):
 def test_program_is_a_plain_module_with_named_imports(exports):
     plan, _, path = exports["dp_tp"]
     src = (path / "program.py").read_text()
-    assert "from autoshard.runtime.collectives import all_reduce, mark_varying" in src
+    assert "from autoshard.runtime.primitives.collectives import all_reduce, mark_varying" in src
     assert "aten = torch.ops.aten" in src and "torch.ops.aten." not in src
     assert "autoshard_runtime_collectives" not in src and not re.search(r"^\s+self,", src, re.M)
     # one parameter per program input, in placeholder order, each with its owner
@@ -229,7 +229,7 @@ def test_broken_exports_are_refused(exports, tmp_path, monkeypatch):
     cases = {
         "truncated": lambda d: (d / "plan.json").write_text((src / "plan.json").read_text()[:500]),
         "version": lambda d: (d / "plan.json").write_text(
-            (src / "plan.json").read_text().replace('"version": 1', '"version": 99')),
+            (src / "plan.json").read_text().replace(f'"version": {R.VERSION}', '"version": 99')),
         "owner": lambda d: (d / "plan.json").write_text(
             (src / "plan.json").read_text().replace('"S(1)"', '"X(1)"')),
         "weights": lambda d: (d / "weights.pt").unlink(),
@@ -318,7 +318,7 @@ def test_quickstart_runs_end_to_end():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check passed: sharded plan equals the unsharded model" in proc.stdout
     assert "check passed: outputs and gradients equal the unsharded model's on all 4 ranks" in proc.stdout
-    from autoshard.runtime.shm import usable_here
+    from autoshard.runtime.transport.shm import usable_here
     if usable_here():  # one host: run.py says its collectives go through shared memory
         assert "(4 gloo processes, collectives through shared memory)" in proc.stdout
 

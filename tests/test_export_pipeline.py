@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.passes.export import simulate_export, simulate_run, torchrun_command  # noqa: E402
-from autoshard.runtime.collectives import ADJOINTS  # noqa: E402
-from autoshard.runtime.schedules import Action, check_schedule, dependencies, make_schedule, stage_rank  # noqa: E402
+from autoshard.runtime.primitives.collectives import ADJOINTS  # noqa: E402
+from autoshard.runtime.execution.schedules import (Action, check_schedule, dependencies, make_schedule, stage_rank)  # noqa: E402
 from exactness import assert_training_within_spread  # noqa: E402
 from test_pipeline import masked_batch, pipeline_plan  # noqa: E402
 from test_train_loop import expected_lr  # noqa: E402

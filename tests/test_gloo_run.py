@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autoshard  # noqa: E402
 from autoshard.ownership import Partial, local_piece  # noqa: E402
 from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.launch import SpawnError, spawn  # noqa: E402
+from autoshard.runtime.transport.launch import SpawnError, spawn  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow

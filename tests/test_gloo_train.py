@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
 from autoshard.runtime import DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime.launch import spawn  # noqa: E402
+from autoshard.runtime.transport.launch import spawn  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 from exactness import train_steps  # noqa: E402
 
@@ -80,7 +80,7 @@ def test_training_on_gloo_equals_simulation(config, shared_memory):
     assert_equals_simulation(results, plan, args)
     assert {r.phase for r in plan.last_trace[0]} >= {"forward", "backward"}
     if config == "sp":
-        from autoshard.runtime.overlap_linear import varying_linears
+        from autoshard.runtime.primitives.overlap_linear import varying_linears
         assert [n for n in plan.graph_module.graph.nodes
                 if n.target is varying_linears and n.kwargs.get("gather_dim") == 1]
 

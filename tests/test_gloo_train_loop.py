@@ -178,7 +178,7 @@ def test_a_signalled_job_saves_its_step_and_resumes_bit_for_bit(tmp_path, sig):
     k = int(stop[0].split("after step ")[1].split(":")[0])
     assert [p.returncode for p in ranks] == [128 + getattr(signal, sig)] * 2, (err[-2000:], err1[-2000:])
     assert "Traceback" not in err + err1, err[-2000:] + err1[-2000:]
-    saved = autoshard.runtime.checkpoint.resolve(ck)
+    saved = autoshard.runtime.execution.checkpoint.resolve(ck)
     assert saved.name == f"step-{k:06d}" and not list(ck.glob(".step-*"))
     first = [json.loads(l)["loss"] for l in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert len(first) == k
@@ -237,8 +237,8 @@ def test_a_job_killed_and_resumed_five_times_trains_like_one_that_never_stopped(
         if run == 5:
             assert [p.returncode for p in ranks] == [0, 0], log.read_text()[-3000:]
         try:
-            done = int(autoshard.runtime.checkpoint.resolve(ck).name.split("-")[1])  # the newest verified one
-        except autoshard.runtime.checkpoint.CheckpointError:
+            done = int(autoshard.runtime.execution.checkpoint.resolve(ck).name.split("-")[1])  # the newest verified one
+        except autoshard.runtime.execution.checkpoint.CheckpointError:
             done = 0  # killed before its first checkpoint: the next run starts over
         interrupted += run < 5 and done < steps
     assert interrupted == 5 and done == steps and sorted(losses) == list(range(1, steps + 1))

@@ -296,7 +296,7 @@ def test_sequence_parallel_training_runtime_passes_on_a_hugging_face_decoder(bui
     """Training Llama (transformers) with sequence parallelism: the gathers read only by linears
     are fused with them (their reduce-scatter overlapped) and the norm weights' gradient sums land
     after backward, bit for bit the program without those passes, and exact."""
-    from autoshard.runtime.overlap_linear import varying_linears
+    from autoshard.runtime.primitives.overlap_linear import varying_linears
 
     model, kwargs, loss, logits, grads = built("llama")
     opts = dict(mesh=Mesh({"tp": 2}), dims=ARCHS["llama"].all_dims, train=True,

@@ -27,9 +27,9 @@ import safetensors.torch  # noqa: E402
 
 import autoshard  # noqa: E402
 import autoshard.passes.export  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import run_torchrun, simulate_export, simulate_run  # noqa: E402
-from autoshard.runtime.simulated import run_simulated  # noqa: E402
+from autoshard.runtime.transport.simulated import run_simulated  # noqa: E402
 
 import hf_zoo  # noqa: E402
 from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
@@ -271,8 +271,8 @@ _LOAD_RANK0 = """
 import json, sys, torch
 from pathlib import Path
 import autoshard
-from autoshard.passes import export_runner as R
-from autoshard.runtime.simulated import run_simulated
+from autoshard.runtime import export as R
+from autoshard.runtime.transport.simulated import run_simulated
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
 path, src = Path(sys.argv[1]), Path(sys.argv[2])

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autoshard  # noqa: E402
 from autoshard.passes.inplace_sums import IN_PLACE, consume_sum_inputs  # noqa: E402
 from autoshard.runtime import all_reduce, run_simulated  # noqa: E402
-from autoshard.runtime import collectives as C  # noqa: E402
+from autoshard.runtime.primitives import collectives as C  # noqa: E402
 from test_overlap_linear import _transformer_plan  # noqa: E402
 
 aten = torch.ops.aten

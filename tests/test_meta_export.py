@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autoshard  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.buffers import non_persistent_buffers, recompute_buffers  # noqa: E402
 from autoshard.passes.export import ExportError, run_torchrun, simulate_export, simulate_run  # noqa: E402
 

@@ -13,8 +13,8 @@ import torch
 import autoshard
 from autoshard import Mesh
 from autoshard.runtime import Backend, rank_context
-from autoshard.runtime.buckets import flatten, unflatten
-from autoshard.runtime.units import pack_grads, pack_shards, unpack_full, unpack_shards
+from autoshard.runtime.primitives.buckets import flatten, unflatten
+from autoshard.runtime.primitives.zero_units import pack_grads, pack_shards, unpack_full, unpack_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402

@@ -1,5 +1,5 @@
 """Column-parallel linears with their input-gradient all-reduce overlapped with their weight
-gradients: ``runtime/overlap_linear.py`` (the fused autograd node) and ``passes/overlap_linear.py``
+gradients: ``runtime/primitives/overlap_linear.py`` (the fused autograd node) and ``passes/overlap_linear.py``
 (the pass that puts it into tensor-parallel programs). The fused program must be the unfused
 one bit for bit, and the all-reduce must be in flight while the weight gradients are computed."""
 from __future__ import annotations
@@ -17,13 +17,13 @@ sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
 from autoshard.passes.overlap_linear import OVERLAP, overlap_linear_sums  # noqa: E402
-from autoshard.runtime import collectives as C  # noqa: E402
+from autoshard.runtime.primitives import collectives as C  # noqa: E402
 from autoshard.runtime import mark_varying, run_simulated  # noqa: E402
-from autoshard.runtime.backend import Pending  # noqa: E402
-from autoshard.runtime.context import current  # noqa: E402
-from autoshard.runtime.overlap_linear import varying_linears  # noqa: E402
-from autoshard.runtime import simulated  # noqa: E402
-from autoshard.runtime.simulated import SimulatedBackend  # noqa: E402
+from autoshard.runtime.transport.backend import Pending  # noqa: E402
+from autoshard.runtime.transport.rank_context import current  # noqa: E402
+from autoshard.runtime.primitives.overlap_linear import varying_linears  # noqa: E402
+from autoshard.runtime.transport import simulated  # noqa: E402
+from autoshard.runtime.transport.simulated import SimulatedBackend  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
 aten = torch.ops.aten

@@ -1,5 +1,5 @@
 """Gradient sums of parameters read nowhere else, added into ``.grad`` when backward ends:
-``runtime/param_sums.py`` with ``mark_varying(..., later=True)`` and ``passes/param_sums.py``
+``runtime/primitives/param_sums.py`` with ``mark_varying(..., later=True)`` and ``passes/param_sums.py``
 (the pass that marks them). Gradients must be those of the synchronous sums bit for bit, and
 on gloo the sum must still be in flight while the rest of backward runs."""
 from __future__ import annotations
@@ -19,13 +19,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 import autoshard  # noqa: E402
 from autoshard.passes.param_sums import LATER, sum_param_grads_later  # noqa: E402
 from autoshard.runtime import DistributedBackend, mark_varying, rank_context, run_simulated  # noqa: E402
-from autoshard.runtime import collectives as C  # noqa: E402
-from autoshard.runtime import param_sums  # noqa: E402
-from autoshard.runtime import simulated  # noqa: E402
-from autoshard.runtime.backend import Pending  # noqa: E402
-from autoshard.runtime.context import current  # noqa: E402
-from autoshard.runtime.launch import spawn  # noqa: E402
-from autoshard.runtime.simulated import SimulatedBackend  # noqa: E402
+from autoshard.runtime.primitives import collectives as C  # noqa: E402
+from autoshard.runtime.primitives import param_sums  # noqa: E402
+from autoshard.runtime.transport import simulated  # noqa: E402
+from autoshard.runtime.transport.backend import Pending  # noqa: E402
+from autoshard.runtime.transport.rank_context import current  # noqa: E402
+from autoshard.runtime.transport.launch import spawn  # noqa: E402
+from autoshard.runtime.transport.simulated import SimulatedBackend  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 from exactness import assert_training_within_spread  # noqa: E402
 

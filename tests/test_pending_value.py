@@ -1,4 +1,4 @@
-"""Forward sums returned before they arrive (runtime/pending_value.py, passes/output_sums.py):
+"""Forward sums returned before they arrive (runtime/primitives/pending_value.py, passes/output_sums.py):
 the data waits for its collective when read, autograd never waits for it, and a value read is
 always the finished sum, whatever is done to it first."""
 import copy
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import Mesh
 from autoshard.runtime import Backend, all_reduce, rank_context
-from autoshard.runtime.backend import Pending
-from autoshard.runtime.pending_value import PendingValue
+from autoshard.runtime.transport.backend import Pending
+from autoshard.runtime.primitives.pending_value import PendingValue
 from passes.output_sums import LAZY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

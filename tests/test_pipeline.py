@@ -15,8 +15,8 @@ import autoshard
 from autoshard import Mesh
 from autoshard.passes.spmd import LayoutError
 from autoshard.runtime import CollectiveError, current, run_simulated
-from autoshard.runtime.collectives import recv, send
-from autoshard.runtime.schedules import Action, B, F, W, check_schedule, make_schedule
+from autoshard.runtime.primitives.collectives import recv, send
+from autoshard.runtime.execution.schedules import Action, B, F, W, check_schedule, make_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402
@@ -376,7 +376,7 @@ def gloo_worker(rank, world_size):
 def test_pipeline_on_gloo_equals_simulation():
     """pp=2 x dp=2 on 4 gloo processes, 1F1B and interleaved: losses, parameters and the
     executed transfers and collectives equal the simulation's bit for bit."""
-    from autoshard.runtime.launch import spawn
+    from autoshard.runtime.transport.launch import spawn
     results = spawn(gloo_worker, 4, timeout=240)
     for schedule in GLOO_SCHEDULES:
         plan, args = gloo_plan(schedule)

@@ -12,7 +12,7 @@ import torch
 import autoshard
 from autoshard import Mesh
 from autoshard.cost.pipeline import bubble, schedule_timeline
-from autoshard.runtime.schedules import dependencies, make_schedule
+from autoshard.runtime.execution.schedules import dependencies, make_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_pipeline import masked_batch, pipeline_plan  # noqa: E402

@@ -17,7 +17,7 @@ from torch import nn
 import autoshard
 from autoshard import Mesh
 from autoshard.cost.model import activations_by_module, program_events, resolve_cost_model
-from autoshard.runtime.recompute import SavedBytes, keep, recompute, recompute_selective
+from autoshard.runtime.primitives.recompute import SavedBytes, keep, recompute, recompute_selective
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 from autoshard import Mesh
 from autoshard.runtime import DistributedBackend, rank_context, run_simulated
-from autoshard.runtime.launch import SpawnError, spawn
+from autoshard.runtime.transport.launch import SpawnError, spawn
 
 from test_runtime import MESHES, TABLE, build_case, check_mlp_dp_tp, mlp_dp_tp_rank, run_case_on_rank
 
@@ -95,7 +95,7 @@ def test_spawn_times_out_and_kills():
 def _p2p_worker(rank, world_size):
     """Rank 0 sends messages 1..3 (3 first); rank 1 posts 2 and 3 ahead, reads 1 unposted,
     then 3 before 2. Then rank 0 modifies a tensor it is sending."""
-    from autoshard.runtime.backend import CollectiveError
+    from autoshard.runtime.transport.backend import CollectiveError
 
     mesh = Mesh({"pp": 2})
     backend = DistributedBackend(mesh)

@@ -1,5 +1,5 @@
 """The layout search proposes context parallelism: the sequence of attention on a mesh axis,
-run as ring (or all-gather-KV) attention and costed as such (cost/context.py)."""
+run as ring (or all-gather-KV) attention and costed as such (cost/context_parallel.py)."""
 import re
 import warnings
 
@@ -8,7 +8,7 @@ import torch
 
 import autoshard
 from autoshard import Mesh
-from autoshard.runtime.ring_attention import allgather_attention, ring_attention
+from autoshard.runtime.primitives.ring_attention import allgather_attention, ring_attention
 
 from examples.models import llama_8b_meta, llama_tiny
 from exactness import assert_exact

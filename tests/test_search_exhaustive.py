@@ -25,7 +25,7 @@ from autoshard import Mesh
 from autoshard.cost import DeviceSpec, Hardware, LinkSpec, load_hardware
 from autoshard.cost.model import CostModel, program_cost
 from autoshard.cost.search import SearchSpace, search_layout
-from autoshard.cost.checkpoint import checkpointed_program_cost
+from autoshard.cost.recompute import checkpointed_program_cost
 from autoshard.passes.capture import capture
 from autoshard.passes.dims import infer_dims
 from autoshard.api import apply_dim_names

@@ -102,7 +102,7 @@ def test_replicated_use_keeps_the_whole_gradient_on_rank_zero():
     """Forward identity; backward: rank 0 keeps the (identical) gradient, the others zeros, so a
     reduce-scatter after it counts the gradient once."""
     from autoshard.runtime import run_simulated
-    from autoshard.runtime.collectives import replicated_use
+    from autoshard.runtime.primitives.collectives import replicated_use
     x0 = torch.arange(6.0).reshape(2, 3)
     g = torch.full((2, 3), 0.5)
 

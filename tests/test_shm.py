@@ -1,4 +1,4 @@
-"""Collectives through shared memory (autoshard/runtime/shm.py) on real processes: every
+"""Collectives through shared memory (autoshard/runtime/transport/shm.py) on real processes: every
 primitive DistributedBackend uses equals the sum in rank order / the concatenation computed
 from all ranks' inputs, bit for bit (the simulated backend's values), through segment growth,
 more collectives in flight than slots, and payloads too large for it (gloo then). A segment
@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autoshard import Mesh  # noqa: E402
 from autoshard.runtime import CollectiveError, DistributedBackend, rank_context  # noqa: E402
-from autoshard.runtime import shm  # noqa: E402
-from autoshard.runtime.launch import spawn  # noqa: E402
+from autoshard.runtime.transport import shm  # noqa: E402
+from autoshard.runtime.transport.launch import spawn  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shm.usable_here(), reason="shared memory needs x86-64")]
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autoshard  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
-from autoshard.passes import export_runner as R  # noqa: E402
+from autoshard.runtime import export as R  # noqa: E402
 from autoshard.passes.export import simulate_run  # noqa: E402
 from examples.models import llama_tiny  # noqa: E402
 
@@ -186,11 +186,11 @@ def test_a_ckpt_directory_is_held_by_one_job_and_a_dead_holder_is_taken_over(tmp
     import subprocess
     import textwrap
 
-    from autoshard.runtime import checkpoint as ckpt
+    from autoshard.runtime.execution import checkpoint as ckpt
 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from autoshard.runtime.checkpoint import DirectoryLock
+        from autoshard.runtime.execution.checkpoint import DirectoryLock
         DirectoryLock.take({str(tmp_path)!r})
         print("held", flush=True)
         time.sleep(120)

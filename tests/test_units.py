@@ -10,9 +10,9 @@ import torch
 
 import autoshard
 from autoshard import Mesh
-from autoshard.passes.units import unit_of
+from autoshard.passes.zero_units import unit_of
 from autoshard.runtime import all_gather_varying, run_simulated
-from autoshard.runtime.collectives import gather_unit, start_gather_unit
+from autoshard.runtime.primitives.collectives import gather_unit, start_gather_unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.models import llama_tiny  # noqa: E402

@@ -1,4 +1,4 @@
-"""Vocab-parallel cross-entropy (passes/vocab_parallel.py, runtime/vocab_parallel.py): a loss over
+"""Vocab-parallel cross-entropy (passes/vocab_parallel.py, runtime/primitives/vocab_parallel.py): a loss over
 logits split by class on a mesh axis sends the softmax statistics, not the logits, and stays
 exact against the unsharded model (fp32 bounds: the sum of exp is added per rank, then across
 ranks)."""
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import autoshard
 from autoshard import Mesh
 from autoshard.runtime import DistributedBackend, rank_context, run_simulated
-from autoshard.runtime.launch import spawn
-from autoshard.runtime.vocab_parallel import vocab_parallel_cross_entropy
+from autoshard.runtime.transport.launch import spawn
+from autoshard.runtime.primitives.vocab_parallel import vocab_parallel_cross_entropy
 from autoshard.cost.model import Comm, program_events, resolve_cost_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

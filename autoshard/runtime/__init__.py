@@ -1,14 +1,19 @@
-"""Runtime: collectives with their adjoints, and the backends that execute them.
+"""Runtime: collectives with their adjoints, the backends that execute them, and the runner of exports.
 
-- :mod:`.collectives` — ``all_reduce``, ``mark_varying``, ``reduce_scatter``, ``all_gather``,
-  ``all_gather_varying``, ``shard_slice``, ``all_to_all``, ``to_partial``; the ``ADJOINTS`` table.
-- :mod:`.context` — ``rank_context`` / ``current``: which rank and backend a thread runs as.
-- :mod:`.overlap_linear` — ``varying_linears``: ``mark_varying`` and the column-parallel linears
-  reading it, with the gradient sum run under the weight gradients.
-- :mod:`.pending_value` — ``PendingValue``: a forward sum returned before it arrives (a loss).
-- :mod:`.simulated` — ``SimulatedBackend`` and ``run_simulated``: ranks as threads, exact.
-- :mod:`.distributed` — ``DistributedBackend``: torch.distributed groups from a DeviceMesh.
-- :mod:`.launch` — ``spawn``: N gloo processes for tests.
+Four subpackages, by kind:
+
+- :mod:`.transport` — the backends that move bytes between ranks: ``SimulatedBackend`` /
+  ``run_simulated`` (ranks as threads, exact), ``DistributedBackend`` (torch.distributed groups
+  from a DeviceMesh), same-host shared memory, the watchdog, ``launch.spawn`` (N gloo processes
+  for tests), and ``rank_context`` / ``current`` (which rank and backend a thread runs as).
+- :mod:`.primitives` — differentiable primitives: ``all_reduce``, ``mark_varying``,
+  ``reduce_scatter``, ``all_gather``, ``all_gather_varying``, ``shard_slice``, ``all_to_all``,
+  ``to_partial`` with their ``ADJOINTS`` table, and the autograd functions built on them (ZeRO
+  units, gradient buckets, ``PendingValue``, ``varying_linears``, ring attention, the
+  vocab-parallel loss, expert dispatch, recompute).
+- :mod:`.execution` — running a per-rank program: ``LocalModule`` and the sharded optimizer,
+  pipeline schedules, distributed checkpoints (saved state), gradient clipping, inputs, the timeline.
+- :mod:`.export` — the runner of an exported directory (its run.py calls it).
 
 Example::
 
@@ -18,15 +23,12 @@ Example::
     >>> run_simulated(Mesh({"tp": 2}), lambda r: all_gather(torch.tensor([float(r)]), "tp", 0))
     [tensor([0., 1.]), tensor([0., 1.])]
 """
-from .backend import Backend, CollectiveError
-from .collectives import (ADJOINTS, COLLECTIVES, COMM_KINDS, LOCAL_KINDS, Adjoint, all_gather,
-                          all_gather_varying, all_reduce, all_to_all, backward_collective,
-                          forward_collective, mark_varying, reduce_scatter, reshard_after_forward,
-                          shard_slice, to_partial, use_persistent)
-from .distributed import DistributedBackend
-from . import experts
-from .context import CollectiveRecord, RankContext, current, rank_context, trace_phase
-from .simulated import SimulatedBackend, SimulationAborted, run_simulated
+from autoshard.runtime.transport.backend import Backend, CollectiveError
+from autoshard.runtime.primitives.collectives import (ADJOINTS, COLLECTIVES, COMM_KINDS, LOCAL_KINDS, Adjoint, all_gather, all_gather_varying, all_reduce, all_to_all, backward_collective, forward_collective, mark_varying, reduce_scatter, reshard_after_forward, shard_slice, to_partial, use_persistent)
+from autoshard.runtime.transport.distributed import DistributedBackend
+from autoshard.runtime.primitives import experts
+from autoshard.runtime.transport.rank_context import (CollectiveRecord, RankContext, current, rank_context, trace_phase)
+from autoshard.runtime.transport.simulated import SimulatedBackend, SimulationAborted, run_simulated
 
 
 __all__ = [

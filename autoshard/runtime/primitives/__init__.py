@@ -1,0 +1,1 @@
+"""Differentiable primitives: collectives with their adjoints and the autograd functions built on them (ZeRO units, gradient buckets, pending sums, overlapped linears, ring attention, vocab-parallel loss, expert dispatch, recompute)."""
