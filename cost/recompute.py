@@ -105,26 +105,26 @@ def _with_working_set(out: list, plain: list) -> list:
     """``out`` (the recomputing segments, one per segment of ``plain``) plus one segment that
     brings their summed activations up to the peak: while block k is recomputed, what was
     kept up to and including it (what comes after it has been freed by backward already) plus
-    what the block saves when run with autograd (its plain segments' bytes)."""
+    what the block saves when run with autograd (its plain segments' bytes). A block is a run
+    of segments of one key; a reduced program's repeated blocks are one segment object each."""
     kept_total = sum(s.saved_bytes for s in out)
-    working: dict = {}
-    for s in plain:
-        if s.block is not None:
-            working[s.block] = working.get(s.block, 0) + s.saved_bytes
-    peak, prefix, last = kept_total, 0, {}
-    for k, s in enumerate(out):
-        if s.block is not None:
-            last[s.block] = k
-    for k, s in enumerate(out):
+    peak = kept_total
+    prefix, working = 0, 0
+    for k, (s, p) in enumerate(zip(out, plain)):
         prefix += s.saved_bytes
-        if s.block is not None and last[s.block] == k:
-            peak = max(peak, prefix + working[s.block])
+        if p.block is None:
+            continue
+        working = p.saved_bytes if k == 0 or plain[k - 1] is p or plain[k - 1].block != p.block \
+            else working + p.saved_bytes
+        nxt = plain[k + 1] if k + 1 < len(plain) else None
+        if nxt is None or nxt is p or nxt.block != p.block:  # the block's last segment
+            peak = max(peak, prefix + working)
     out.append(Segment(None, [], saved_bytes=peak - kept_total))
     return out
 
 
 def _selective_segments(segments: list, cm) -> list:
-    out = []
+    out, again_of = [], {}  # the repeated blocks of a reduced program are one segment object
     for seg in segments:
         if seg.block is None:
             out.append(seg)
@@ -134,7 +134,9 @@ def _selective_segments(segments: list, cm) -> list:
         if seg.selective is not None:  # the block's first segment carries the block's figures
             held, ops = seg.selective
             new.saved_bytes = held
-            again = sum(op_seconds(cm, t, a, k, o) for t, a, k, o in ops)
+            if id(seg) not in again_of:
+                again_of[id(seg)] = sum(op_seconds(cm, t, a, k, o) for t, a, k, o in ops)
+            again = again_of[id(seg)]
             new.items = list(seg.items) + [(0.0, again)]
         out.append(new)
     return out
