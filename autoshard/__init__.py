@@ -28,6 +28,10 @@ _FACADE = {
     "CaptureError": "autoshard.passes.export_errors",
     "consolidate": "autoshard.runtime.execution.checkpoint",
     "CheckpointError": "autoshard.runtime.execution.checkpoint",
+    # the options of autoshard() as typed objects (autoshard/options.py)
+    **{name: "autoshard.options" for name in (
+        "TrainingOptions", "SearchOptions", "RewriteOptions", "PipelineOptions", "PrecisionOptions",
+        "RecomputeOptions", "ContextOptions", "ExpertOptions", "Options")},
 }
 
 __all__ = ["Mesh", *_FACADE]

@@ -1,7 +1,9 @@
 """The public entry point: ``autoshard.autoshard(model, args, mesh=..., dims=..., layout=...)``.
 
-One function calling small steps in data-flow order: capture -> named dims -> layout -> SPMD
-rewrite. The result is a :class:`~autoshard.plan.Plan`.
+One function calling small steps in data-flow order: check -> capture -> name -> search ->
+build -> finish (``_check`` ... ``_finish`` below, each one call). Its options are the typed
+objects of :mod:`autoshard.options` or the keywords of the same names. The result is a
+:class:`~autoshard.plan.Plan`.
 
 Example::
 
@@ -23,17 +25,19 @@ import fnmatch
 import functools
 import gc
 import math
-import re
 import sys
 import time
 import warnings
-from typing import Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional, Sequence, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .arguments import check_dims, check_layout, check_zero_stage
 from .mesh import AutoMesh, Mesh
+from .options import (ContextOptions, ExpertOptions, Options, PipelineOptions, PrecisionOptions, RecomputeOptions,
+                      SearchOptions, collect, parse_bytes)
 from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatches, finish_pipeline,
                             first_microbatch, pipeline_options, recompute_stages)
 from .plan import Plan
@@ -46,7 +50,7 @@ from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
 from autoshard.passes.param_names import name_parameter_dims
 from autoshard.passes.spmd import LayoutError, lazy_programs, resolve_layout
-from autoshard.cost.model import program_cost, resolve_cost_model
+from autoshard.cost.model import CostModel, program_cost, resolve_cost_model
 from autoshard.cost.context_parallel import choose_variant
 from autoshard.cost.recompute import checkpointed_program_cost
 from autoshard.cost.zero_units import choose_units
@@ -58,21 +62,38 @@ from autoshard.passes.program import build_program
 from autoshard.passes.zero_units import check_policy
 
 
-def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None, train: bool = False,
+def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, layout=None,
+              options: Union[None, object, Sequence] = (), train: bool = False,
               zero_stage: Optional[int] = None, reshard_after_forward: Optional[bool] = None,
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
-              search: Optional[bool] = None, pipeline: Optional[dict] = None, moe: Optional[dict] = None,
-              verbose: bool = False, captured=None, precision=None, checkpoint=None,
-              context: Optional[dict] = None, strict: bool = False, disable_passes=()) -> Plan:
+              search: Optional[bool] = None, pipeline: Union[dict, PipelineOptions, None] = None,
+              moe: Union[dict, ExpertOptions, None] = None, verbose: bool = False, captured=None,
+              precision: Union[dict, PrecisionOptions, None] = None, checkpoint: Union[bool, str, None] = None,
+              context: Union[dict, ContextOptions, None] = None, strict: bool = False, disable_passes=()) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
-    dims it leaves out stay whole (replicated). With ``train=True``, data-parallel gradients of
-    replicated parameters are all-reduced in buckets of ``bucket_mb`` MiB (0: one all-reduce per
-    parameter, inside backward), launched as they fill so they overlap the rest of backward.
-    ZeRO-3 parameters are gathered and their gradients reduce-scattered per *unit*, one flat
-    buffer each, the next unit's gather prefetched: ``units`` is ``"block"`` (one per repeated
-    block), ``"model"``, ``"param"`` (one per parameter) or a list of module prefixes / globs;
-    None: chosen by cost when the search runs, else ``"block"`` (``"param"`` when ``bucket_mb=0``).
+    dims it leaves out stay whole (replicated).
+
+    Every other keyword is a field of an option object of :mod:`autoshard.options`
+    (``TrainingOptions``, ``SearchOptions``, ``RewriteOptions``, ``PipelineOptions``,
+    ``PrecisionOptions``, ``RecomputeOptions``, ``ContextOptions``, ``ExpertOptions``): give
+    either the keyword or the object in ``options=`` (one object or a sequence); the two at once
+    must agree (``ValueError`` otherwise). ``autoshard plan --help`` lists the same options as
+    flags. These two plans are the same::
+
+        autoshard.autoshard(model, args, mesh=mesh, dims=dims, layout={"batch": "dp"}, train=True,
+                            zero_stage=3, hardware="h100", precision={"param": torch.bfloat16})
+        autoshard.autoshard(model, args, mesh=mesh, dims=dims, layout={"batch": "dp"},
+                            options=[TrainingOptions(train=True, zero_stage=3), SearchOptions(hardware="h100"),
+                                     PrecisionOptions(param=torch.bfloat16)])
+
+    With ``train=True``, data-parallel gradients of replicated parameters are all-reduced in
+    buckets of ``bucket_mb`` MiB (0: one all-reduce per parameter, inside backward), launched as
+    they fill so they overlap the rest of backward. ZeRO-3 parameters are gathered and their
+    gradients reduce-scattered per *unit*, one flat buffer each, the next unit's gather
+    prefetched: ``units`` is ``"block"`` (one per repeated block), ``"model"``, ``"param"`` (one
+    per parameter) or a list of module prefixes / globs; None: chosen by cost when the search
+    runs, else ``"block"`` (``"param"`` when ``bucket_mb=0``).
 
     The layout search (``autoshard.cost.search``) runs when ``layout`` is None or only forbids
     sharding (``{"batch": None}``), when ``mesh`` is ``Mesh.auto(n, axes)`` (every mesh shape
@@ -122,24 +143,96 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
 
     ``strict=True``: refuse (``LayoutError``) a plan that gathers in forward a value the layout
     shards (an op without a rule, or one that needs the dim whole; ``plan.unsharded`` lists them,
-    ``print(plan)`` shows them in any case)."""
-    check_zero_stage(zero_stage)
-    disable_passes = check_disabled(disable_passes)
+    ``print(plan)`` shows them in any case).
+
+    The steps, in order: check the arguments, capture the program, name its dims, search the
+    layout, build the per-rank program, finish the plan (one function each, below)."""
+    opts = collect(options, dict(
+        train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
+        units=units, search=search, hardware=hardware, memory_limit=memory_limit, strict=strict,
+        disable_passes=disable_passes, checkpoint=checkpoint, pipeline=pipeline, precision=precision,
+        context=context, moe=moe))
+    return _plan(model, args, kwargs, mesh, dims, layout, opts, captured=captured, verbose=verbose)
+
+
+@dataclass
+class _Request:
+    """What one ``autoshard()`` call asks for, checked (the output of :func:`_check`)."""
+
+    model: torch.nn.Module  # in the parameter dtype of mixed precision
+    args: tuple
+    kwargs: Optional[dict]
+    mesh: Union[Mesh, AutoMesh]
+    meshes: Optional[list]  # every mesh shape of a Mesh.auto; None for a fixed mesh
+    dims: object
+    layout: Optional[dict]
+    options: Options
+    memory_limit: Optional[float]  # bytes
+    searching: bool
+    pipe: Optional[PipelineOptions]  # the pipeline of a fixed mesh, its axis resolved
+    auto_pp: Optional[str]  # the pipeline axis of a Mesh.auto whose degree is searched
+    param_dtype: Optional[torch.dtype]
+    reduce_dtype: Optional[torch.dtype]
+    cost_model: CostModel
+    verbose: bool
+    decision: object = None  # the PipelineDecision a Mesh.auto call made, for the plan it chose
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def train(self) -> bool:
+        return self.options.training.train
+
+
+@dataclass
+class _Found:
+    """The layout and state sharding to build (given, or what the search chose)."""
+
+    layout: Optional[dict]
+    mesh: Mesh
+    zero_stage: int
+    reshard_after_forward: Optional[bool]
+    checkpoint: Union[bool, str]  # False, or the recompute policy ("block", "selective")
+    result: object = None  # cost.search.SearchResult when the search ran
+    decision: object = None  # cost.pipeline_search.PipelineDecision of a Mesh.auto with a pipeline axis
+    pipelined: Optional[Plan] = None  # that decision's pipelined plan (planned on its own mesh)
+
+
+@dataclass
+class _Built:
+    resolved: object  # passes.spmd.Layout
+    program: object  # passes.spmd.Program
+    data_axes: list
+    units: object  # the unit policy built with
+
+
+def _plan(model, args, kwargs, mesh, dims, layout, opts: Options, *, captured=None, verbose=False,
+          decision=None) -> Plan:
+    """:func:`autoshard` with its options gathered: check -> capture -> name -> search -> build -> finish."""
+    req = _check(model, args, kwargs, mesh, dims, layout, opts, captured, verbose, decision)
+    cap = _capture(req, captured)
+    # Everything from here on plans a program captured above: its graphs, values and fake tensors
+    # live until the plan is returned, so the cyclic collector need not traverse them again
+    with _heap_frozen():
+        info = _name(req, cap)
+        found = _search(req, cap, info)
+        if found.pipelined is not None:  # Mesh.auto chose a pipeline: planned on its own mesh
+            return found.pipelined
+        built = _build(req, cap, info, found)
+        return _finish(req, cap, info, found, built)
+
+
+def _check(model, args, kwargs, mesh, dims, layout, opts: Options, captured, verbose, decision) -> _Request:
+    """Every argument checked before anything is captured; the mesh, pipeline, search and
+    precision decided from them."""
+    _check_training(opts)
     check_layout(layout)
     check_dims(dims)
-    if (zero_stage or reshard_after_forward is not None) and not train:
-        raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
-    if reshard_after_forward is not None and zero_stage != 3:
-        raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
-    memory_limit = parse_bytes(memory_limit)
-    if checkpoint not in (None, False):
-        checkpoint = check_recompute_policy(checkpoint)
-    if checkpoint and not train:
-        raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
+    memory_limit = parse_bytes(opts.search.memory_limit)
+    checkpoint, pipeline = opts.recompute.checkpoint, opts.pipeline
     meshes = mesh.meshes() if isinstance(mesh, AutoMesh) else None
     if meshes is None:
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    searching = _wants_search(layout, search, meshes, memory_limit)
+    searching = _wants_search(layout, opts.search.search, meshes, memory_limit)
     pipe = pipeline_options(pipeline, mesh)
     # Mesh.auto with a pipeline axis: the pipeline degree is searched too (cost/pipeline_search.py)
     auto_pp = auto_pipeline_axis(mesh, pipeline) if meshes is not None else None
@@ -150,151 +243,212 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
                          f"Mesh.auto(n, ('pp', 'dp', 'tp'))")
     if pipe is not None and meshes is None and len(mesh.axes) == 1:
         searching = False  # the pipeline axis is the whole mesh: nothing else to lay out
-    param_dtype, reduce_dtype = check_precision(precision)
+    param_dtype, reduce_dtype = check_precision(opts.precision)
     if captured is None and param_dtype is not None:
         # the program is captured in the parameter dtype: every value, gather and byte count in it
         model, args, kwargs = cast_for_precision(model, args, kwargs, param_dtype)
-    timings = {}
+    return _Request(model, tuple(args), kwargs, mesh, meshes, dims, layout, opts, memory_limit, searching, pipe,
+                    auto_pp, param_dtype, reduce_dtype, resolve_cost_model(opts.search.hardware), verbose, decision)
+
+
+def _check_training(opts: Options) -> None:
+    """The training options agree with each other (ZeRO and recompute need ``train=True``)."""
+    tr, checkpoint = opts.training, opts.recompute.checkpoint
+    check_zero_stage(tr.zero_stage)
+    check_disabled(opts.rewrite.disable_passes)
+    if (tr.zero_stage or tr.reshard_after_forward is not None) and not tr.train:
+        raise ValueError("zero_stage and reshard_after_forward shard training state: pass train=True")
+    if tr.reshard_after_forward is not None and tr.zero_stage != 3:
+        raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
+    if tr.units is not None:
+        check_policy(tr.units)
+    if checkpoint not in (None, False):
+        check_recompute_policy(checkpoint)  # True, "block" or "selective"
+    if checkpoint and not tr.train:
+        raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
+
+
+def _capture(req: _Request, captured):
+    """The captured program (``passes.capture``): of the whole batch, or of a pipeline's first
+    microbatch; ``captured`` (an earlier plan's) is used as it is."""
     t0 = time.perf_counter()
     c0 = time.process_time()  # CPU seconds too: on a shared machine wall time includes others' work
+    pipe = req.pipe
     if pipe is not None:
-        pp = mesh.axes[pipe.axis] * (pipe.virtual or 1)
-        pipe.microbatches = pipe.microbatches or default_microbatches(args, kwargs, pp)
-        cap = captured if captured is not None else capture(model, *first_microbatch(args, kwargs, pipe.microbatches))
+        pp = req.mesh.axes[pipe.axis] * (pipe.virtual or 1)
+        req.pipe = pipe = replace(pipe, microbatches=pipe.microbatches or default_microbatches(req.args, req.kwargs, pp))
+        cap = captured if captured is not None else capture(req.model, *first_microbatch(req.args, req.kwargs,
+                                                                                         pipe.microbatches))
         tag_origins(cap.graph)  # so stage boundaries can name the captured values they carry
     else:
-        cap = captured if captured is not None else capture(model, args, kwargs)
-    _refuse_stateful(cap, pipe is not None, checkpoint)
-    timings["capture"] = time.perf_counter() - t0
-    timings["capture_cpu"] = time.process_time() - c0
-    if train:
+        cap = captured if captured is not None else capture(req.model, req.args, req.kwargs)
+    _refuse_stateful(cap, pipe is not None, req.options.recompute.checkpoint)
+    req.timings["capture"] = time.perf_counter() - t0
+    req.timings["capture_cpu"] = time.process_time() - c0
+    if req.train:
         cap.require_scalar_loss("train=True")  # as loss.backward(): no silent training on its sum
-    _progress(verbose, f"captured {len(cap.graph.nodes)} nodes in {timings['capture']:.2f}s")
-    # Everything from here on plans a program captured above: its graphs, values and fake tensors
-    # live until the plan is returned, so the cyclic collector need not traverse them again
-    with _heap_frozen():
-        t = time.perf_counter()
-        origins = {i.name: i.target for i in cap.inputs}
-        info = infer_dims(cap.graph, origins)
-        apply_dim_names(info, cap, dims)
-        find_expert_regions(cap.graph, info, **_moe_options(moe))
-        if searching:
-            # dims of parameters nobody named get readable names, so the search can shard them
-            name_parameter_dims(info, cap.graph, cap.inputs)
-        timings["dims"] = time.perf_counter() - t
-        _progress(verbose, f"named dims in {timings['dims']:.2f}s")
-
-        # search (autoshard.cost): the layout, mesh shape and state sharding the cost model prefers
-        search_result, cost_model = None, None
-        if searching:
-            t = time.perf_counter()
-            cost_model = resolve_cost_model(hardware)
-            search_meshes = meshes or [mesh if pipe is None else Mesh({a: n for a, n in mesh.axes.items() if a != pipe.axis})]
-            search_args = dict(
-                train=train, zero_stage=zero_stage, reshard_after_forward=reshard_after_forward,
-                memory_limit=memory_limit, cost_model=cost_model, bucket_mb=bucket_mb, verbose=verbose,
-                display={i.name: i.target for i in cap.inputs},
-                units=check_policy(units) if units is not None else ("param" if not bucket_mb else "block"),
-                checkpoint=checkpoint)
-            if auto_pp is not None:
-                decision = choose_pipeline(cap.graph, cap.inputs, info, mesh, auto_pp, batch=_batch_size(args, kwargs),
-                                           constraints=_constraints(layout, search, info), **search_args,
-                                           **{k: (pipeline or {}).get(k) for k in ("schedule", "microbatches", "virtual")})
-                if decision.pp > 1:
-                    # plan the chosen pipeline on its mesh: the layout and ZeRO stage found, the
-                    # program captured again for one microbatch
-                    plan = _plan_pipeline(decision, model, args, kwargs, dims=dims, train=train, units=units,
-                                          bucket_mb=bucket_mb, hardware=cost_model, moe=moe, verbose=verbose,
-                                          precision=precision, context=context,
-                                          strict=strict, cuts=(pipeline or {}).get("cuts"))
-                    plan.timings["capture"] += timings["capture"]
-                    plan.timings["capture_cpu"] += timings["capture_cpu"]
-                    plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
-                    plan.timings["dims"] += timings["dims"]
-                    return plan
-                search_result = decision.flat
-            else:
-                search_result = plan_search(cap.graph, cap.inputs, info, search_meshes, _constraints(layout, search, info),
-                                            **search_args)
-            layout = search_result.layout
-            mesh = search_result.mesh if pipe is None else mesh
-            if train and zero_stage is None:
-                zero_stage = search_result.zero_stage
-                reshard_after_forward = search_result.reshard_after_forward if zero_stage == 3 else None
-            timings["search"] = time.perf_counter() - t
-            _progress(verbose, f"searched {search_result.space_size} candidates ({search_result.evaluated} evaluated) in "
-                               f"{timings['search']:.2f}s: {mesh}, {search_result.best.candidate.describe()}")
-
-        use_checkpoint = (search_result.checkpoint if search_result is not None else checkpoint) if train else False
-        _refuse_stateful(cap, False, use_checkpoint)  # the search may choose recompute too
-        t = time.perf_counter()
-        resolved = resolve_layout(info, layout, mesh)
-        stage = zero_stage or 0
-        display = {i.name: i.target for i in cap.inputs}
-
-        def build(policy):
-            return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=train, zero_stage=stage,
-                                 reshard=True if reshard_after_forward is None else reshard_after_forward,
-                                 bucket_mb=bucket_mb if pipe is None else 0, display=display, units=policy,
-                                 context=context_options, program_passes=pipe is None,
-                                 disable_passes=disable_passes)
-
-        context_options = dict(context or {})
-        if "variant" not in context_options:  # ring or all-gather attention: the cost model chooses
-            context_options["variant"] = choose_variant(cost_model or _cost_model(hardware), mesh)
-
-        if units is None and stage == 3 and bucket_mb and searching and pipe is None:
-            # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
-            cm = cost_model or _cost_model(hardware)
-            vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-            cost_fn = (functools.partial(checkpointed_program_cost, policy=use_checkpoint) if use_checkpoint
-                       else program_cost)
-
-            def lazy_build(policy):  # Python code is generated for the chosen program only
-                with lazy_programs():
-                    return build(policy)
-
-            units, (program, axes), _ = choose_units(
-                lazy_build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, cm, train=train, zero_stage=stage,
-                                              data_axes=b[1]), memory_limit)
-            program.graph_module = torch.fx.GraphModule(program.graph_module, program.graph_module.graph)
-        else:
-            # (pipelined plans gather per parameter: a stage cut does not split units yet)
-            units = check_policy(units) if units is not None else (
-                "param" if not bucket_mb or pipe is not None else "block")
-            program, axes = build(units)
-        timings["rewrite"] = time.perf_counter() - t
-        _progress(verbose, f"rewrote for {mesh} in {timings['rewrite']:.2f}s")
-        fields = dict(model=model, mesh=mesh, captured=cap, info=info, resolved=resolved, program=program,
-                      train=train, timings=timings, zero_stage=stage, data_axes=axes)
-        if pipe is not None:
-            # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
-            plan = finish_pipeline(PipelinePlan(**fields, microbatches=pipe.microbatches), pipe,
-                                   cost_model or _cost_model(hardware))
-        else:
-            plan = Plan(**fields)
-        # for plan.cost / plan.alternatives / plan.explain()
-        plan.search, plan.cost_model, plan.bucket_mb = search_result, cost_model or _cost_model(hardware), bucket_mb
-        plan.units = units
-        plan.pipeline_decision = decision if auto_pp is not None else None
-        if use_checkpoint:
-            plan.checkpoint = checkpointed_blocks(program, cap, forced=checkpoint)
-            plan.checkpoint_policy = use_checkpoint
-            if pipe is not None:
-                recompute_stages(plan)  # each stage program's blocks, by the same policy
-        plan.example_inputs = (tuple(args), dict(kwargs or {}))
-        plan.reduce_dtype = reduce_dtype
-        if reduce_dtype is not None:
-            widen_gradient_sums(program, reduce_dtype, param_dtype)
-        if strict and plan.unsharded:
-            lapses = plan.unsharded
-            raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
-                              f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
-        warn_idle_axes(plan)
-        return plan
+    _progress(req.verbose, f"captured {len(cap.graph.nodes)} nodes in {req.timings['capture']:.2f}s")
+    return cap
 
 
-def warn_idle_axes(plan) -> None:
+def _name(req: _Request, cap):
+    """Every dim of the program named: inferred (``passes.dims``), then the user's ``dims``,
+    the experts of MoE layers, and (for the search) readable names of parameter dims."""
+    t = time.perf_counter()
+    info = infer_dims(cap.graph, {i.name: i.target for i in cap.inputs})
+    apply_dim_names(info, cap, req.dims)
+    find_expert_regions(cap.graph, info, **_moe_options(req.options.experts))
+    if req.searching:
+        # dims of parameters nobody named get readable names, so the search can shard them
+        name_parameter_dims(info, cap.graph, cap.inputs)
+    req.timings["dims"] = time.perf_counter() - t
+    _progress(req.verbose, f"named dims in {req.timings['dims']:.2f}s")
+    return info
+
+
+def _search(req: _Request, cap, info) -> _Found:
+    """The layout, mesh shape and state sharding: the given ones, or what the cost model
+    prefers (``autoshard.cost``). For a ``Mesh.auto`` with a pipeline axis that chose a
+    pipeline, the pipelined plan itself (``_Found.pipelined``)."""
+    tr, pipe = req.options.training, req.pipe
+    if not req.searching:
+        return _Found(req.layout, req.mesh, tr.zero_stage or 0, tr.reshard_after_forward,
+                      _recompute_policy(req.options.recompute.checkpoint) if tr.train else False)
+    t = time.perf_counter()
+    search_args = dict(
+        train=tr.train, zero_stage=tr.zero_stage, reshard_after_forward=tr.reshard_after_forward,
+        memory_limit=req.memory_limit, cost_model=req.cost_model, bucket_mb=tr.bucket_mb, verbose=req.verbose,
+        display={i.name: i.target for i in cap.inputs},
+        units=check_policy(tr.units) if tr.units is not None else ("param" if not tr.bucket_mb else "block"),
+        checkpoint=_recompute_policy(req.options.recompute.checkpoint))
+    constraints = _constraints(req.layout, req.options.search.search, info)
+    decision = None
+    if req.auto_pp is not None:
+        pipeline = req.options.pipeline or PipelineOptions()
+        decision = choose_pipeline(cap.graph, cap.inputs, info, req.mesh, req.auto_pp,
+                                   batch=_batch_size(req.args, req.kwargs), constraints=constraints, **search_args,
+                                   schedule=pipeline.schedule, microbatches=pipeline.microbatches,
+                                   virtual=pipeline.virtual)
+        if decision.pp > 1:
+            return _Found(None, req.mesh, 0, None, False, None, decision, _plan_pipeline(req, decision))
+        result = decision.flat
+    else:
+        meshes = req.meshes or [req.mesh if pipe is None else
+                                Mesh({a: n for a, n in req.mesh.axes.items() if a != pipe.axis})]
+        result = plan_search(cap.graph, cap.inputs, info, meshes, constraints, **search_args)
+    mesh = result.mesh if pipe is None else req.mesh
+    zero_stage, reshard = tr.zero_stage, tr.reshard_after_forward
+    if tr.train and zero_stage is None:
+        zero_stage = result.zero_stage
+        reshard = result.reshard_after_forward if zero_stage == 3 else None
+    req.timings["search"] = time.perf_counter() - t
+    _progress(req.verbose, f"searched {result.space_size} candidates ({result.evaluated} evaluated) in "
+                           f"{req.timings['search']:.2f}s: {mesh}, {result.best.candidate.describe()}")
+    return _Found(result.layout, mesh, zero_stage or 0, reshard, (result.checkpoint or False) if tr.train else False,
+                  result, decision)
+
+
+def _recompute_policy(checkpoint):
+    """``checkpoint=`` as the search and the plan take it: None, False or a policy name."""
+    return checkpoint if checkpoint in (None, False) else check_recompute_policy(checkpoint)
+
+
+def _plan_pipeline(req: _Request, decision) -> Plan:
+    """The pipelined plan ``decision`` (``cost.pipeline_search``) chose for ``Mesh.auto``: the
+    layout and ZeRO stage found, planned on its mesh, the program captured again for one
+    microbatch."""
+    c = decision.chosen
+    inner, opts = c.inner, req.options
+    cand = inner.candidate
+    training = replace(opts.training, zero_stage=cand.zero_stage if opts.training.train else None,
+                       reshard_after_forward=cand.reshard if cand.zero_stage == 3 else None)
+    pipeline = PipelineOptions(axis=decision.axis, microbatches=c.microbatches, schedule=c.schedule,
+                               virtual=c.virtual, cuts=(opts.pipeline or PipelineOptions()).cuts)
+    opts = replace(opts, training=training, pipeline=pipeline, search=SearchOptions(search=True, hardware=req.cost_model),
+                   recompute=RecomputeOptions(checkpoint=inner.cost.checkpoint or False))
+    plan = _plan(req.model, req.args, req.kwargs, Mesh({decision.axis: c.pp, **inner.mesh.axes}), req.dims,
+                 dict(inner.layout), opts, verbose=req.verbose, decision=decision)
+    plan.timings["capture"] += req.timings["capture"]
+    plan.timings["capture_cpu"] += req.timings["capture_cpu"]
+    plan.timings["search"] = decision.seconds + plan.timings.get("search", 0.0)
+    plan.timings["dims"] += req.timings["dims"]
+    return plan
+
+
+def _build(req: _Request, cap, info, found: _Found) -> _Built:
+    """The per-rank program of the layout found (``passes.program``), with the ZeRO-3 unit
+    policy chosen by cost when it was left open."""
+    _refuse_stateful(cap, False, found.checkpoint)  # the search may choose recompute too
+    t = time.perf_counter()
+    tr, pipe, mesh = req.options.training, req.pipe, found.mesh
+    resolved = resolve_layout(info, found.layout, mesh)
+    display = {i.name: i.target for i in cap.inputs}
+    context = asdict(req.options.context)
+    context = {k: v for k, v in context.items() if v is not None}
+    if "variant" not in context:  # ring or all-gather attention: the cost model chooses
+        context["variant"] = choose_variant(req.cost_model, mesh)
+
+    def build(policy):
+        return build_program(cap.graph, cap.inputs, info, resolved, mesh, train=tr.train, zero_stage=found.zero_stage,
+                             reshard=True if found.reshard_after_forward is None else found.reshard_after_forward,
+                             bucket_mb=tr.bucket_mb if pipe is None else 0, display=display, units=policy,
+                             context=context, program_passes=pipe is None,
+                             disable_passes=check_disabled(req.options.rewrite.disable_passes))
+
+    if tr.units is None and found.zero_stage == 3 and tr.bucket_mb and req.searching and pipe is None:
+        # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
+        vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+        cost_fn = (functools.partial(checkpointed_program_cost, policy=found.checkpoint) if found.checkpoint
+                   else program_cost)
+
+        def lazy_build(policy):  # Python code is generated for the chosen program only
+            with lazy_programs():
+                return build(policy)
+
+        units, (program, axes), _ = choose_units(
+            lazy_build, lambda b: cost_fn(b[0], cap.inputs, vals, mesh, req.cost_model, train=tr.train,
+                                          zero_stage=found.zero_stage, data_axes=b[1]), req.memory_limit)
+        program.graph_module = torch.fx.GraphModule(program.graph_module, program.graph_module.graph)
+    else:
+        # (pipelined plans gather per parameter: a stage cut does not split units yet)
+        units = check_policy(tr.units) if tr.units is not None else (
+            "param" if not tr.bucket_mb or pipe is not None else "block")
+        program, axes = build(units)
+    req.timings["rewrite"] = time.perf_counter() - t
+    _progress(req.verbose, f"rewrote for {mesh} in {req.timings['rewrite']:.2f}s")
+    return _Built(resolved, program, axes, units)
+
+
+def _finish(req: _Request, cap, info, found: _Found, built: _Built) -> Plan:
+    """The Plan (a PipelinePlan, its program cut into stages, for a pipeline), checked: strict
+    refuses layout lapses; idle mesh axes are warned of."""
+    program = built.program
+    checkpoint = checkpointed_blocks(program, cap, forced=req.options.recompute.checkpoint) if found.checkpoint else []
+    fields = dict(model=req.model, mesh=found.mesh, captured=cap, info=info, resolved=built.resolved, program=program,
+                  train=req.train, timings=req.timings, zero_stage=found.zero_stage, data_axes=built.data_axes,
+                  checkpoint=checkpoint, checkpoint_policy=found.checkpoint or "block",
+                  example_inputs=(tuple(req.args), dict(req.kwargs or {})),
+                  options=req.options, search=found.result, cost_model=req.cost_model,
+                  bucket_mb=req.options.training.bucket_mb, units=built.units,
+                  pipeline_decision=req.decision or found.decision, reduce_dtype=req.reduce_dtype)
+    if req.pipe is not None:
+        # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
+        plan = finish_pipeline(PipelinePlan(**fields, microbatches=req.pipe.microbatches), req.pipe, req.cost_model)
+        if checkpoint:
+            recompute_stages(plan)  # each stage program's blocks, by the same policy
+    else:
+        plan = Plan(**fields)
+    if req.reduce_dtype is not None:
+        widen_gradient_sums(program, req.reduce_dtype, req.param_dtype)
+    if req.options.rewrite.strict and plan.unsharded:
+        lapses = plan.unsharded
+        raise LayoutError(f"strict: the layout is not carried out at {len(lapses)} place(s); first: {lapses[0]} "
+                          f"(hint: give the op a rule, shard another dim, or see plan.unsharded with strict=False)")
+    warn_idle_axes(plan, stacklevel=5)
+    return plan
+
+
+def warn_idle_axes(plan, stacklevel: int = 3) -> None:
     """One IdleAxisWarning naming every mesh axis the plan leaves idle (``cost.idle``). What
     using them would save and cost takes another rewrite, so plan.explain() and print(plan) say
     it when asked, not every plan."""
@@ -303,7 +457,7 @@ def warn_idle_axes(plan) -> None:
         many = len(axes) > 1
         warnings.warn(f"autoshard: the plan leaves mesh ax{'es' if many else 'is'} {', '.join(axes)} idle: "
                       f"{'their' if many else 'its'} ranks repeat each other's work (plan.explain() says what "
-                      f"splitting the batch there would save and cost)", IdleAxisWarning, stacklevel=3)
+                      f"splitting the batch there would save and cost)", IdleAxisWarning, stacklevel=stacklevel)
 
 
 def _refuse_stateful(cap, pipelined: bool, checkpoint) -> None:
@@ -344,21 +498,6 @@ def _batch_size(args, kwargs) -> int:
     return min(sizes) if sizes else 1
 
 
-def _plan_pipeline(decision, model, args, kwargs, *, cuts, **options) -> Plan:
-    """The pipelined plan ``decision`` (``cost.pipeline_search``) chose for ``Mesh.auto``."""
-    c = decision.chosen
-    inner = c.inner
-    cand = inner.candidate
-    plan = autoshard(model, args, kwargs, mesh=Mesh({decision.axis: c.pp, **inner.mesh.axes}),
-                     layout={k: v for k, v in inner.layout.items()}, search=True,
-                     zero_stage=cand.zero_stage if options["train"] else None,
-                     reshard_after_forward=cand.reshard if cand.zero_stage == 3 else None,
-                     pipeline={"axis": decision.axis, "microbatches": c.microbatches, "schedule": c.schedule,
-                               "virtual": c.virtual, "cuts": cuts}, checkpoint=inner.cost.checkpoint or False, **options)
-    plan.pipeline_decision = decision
-    return plan
-
-
 def checkpointed_blocks(program, cap, forced=None) -> list:
     """Names of the repeated blocks of ``program`` that activation checkpointing can cut out."""
     users = {i.name for i in cap.inputs if i.kind == "user"}
@@ -370,16 +509,17 @@ def checkpointed_blocks(program, cap, forced=None) -> list:
     return names
 
 
-def check_precision(precision):
-    """``(param dtype, reduce dtype)`` from ``precision`` (None: both None)."""
+def check_precision(precision: Optional[PrecisionOptions]):
+    """``(param dtype, reduce dtype)`` from ``precision`` (None: both None).
+
+    >>> check_precision(PrecisionOptions(param=torch.bfloat16))
+    (torch.bfloat16, None)
+    """
     if precision is None:
         return None, None
-    if not isinstance(precision, dict) or not set(precision) <= {"param", "reduce"}:
-        raise ValueError(f"precision={precision!r}: give a dict with keys 'param' and/or 'reduce', e.g. "
-                         f"{{'param': torch.bfloat16, 'reduce': torch.float32}}")
     out = []
     for key in ("param", "reduce"):
-        d = precision.get(key)
+        d = getattr(precision, key)
         if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
             raise ValueError(f"precision[{key!r}] must be a floating torch dtype, not {d!r}")
         out.append(d)
@@ -404,16 +544,9 @@ def widen_gradient_sums(program, reduce_dtype, param_dtype) -> None:
             c.why += f" (summed in {str(reduce_dtype).replace('torch.', '')})"
 
 
-def _moe_options(moe) -> dict:
-    moe = dict(moe or {})
-    unknown = set(moe) - {"capacity_factor"}
-    if unknown:
-        raise ValueError(f"moe= takes 'capacity_factor', not {sorted(unknown)}")
-    return moe
-
-
-def _cost_model(hardware):
-    return resolve_cost_model(hardware)
+def _moe_options(moe: ExpertOptions) -> dict:
+    """The keywords of ``passes.experts.find_expert_regions`` that ``moe`` sets."""
+    return {} if moe.capacity_factor is None else {"capacity_factor": moe.capacity_factor}
 
 
 def _wants_search(layout, search, meshes, memory_limit) -> bool:
@@ -435,28 +568,6 @@ def _constraints(layout, search, info) -> dict:
         for name in set(info.names.values()):
             layout.setdefault(name, None)
     return layout
-
-
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
-
-
-def parse_bytes(v) -> Optional[float]:
-    """``80e9``, ``"80GB"``, ``"80 GiB"`` -> bytes (None stays None).
-
-    >>> parse_bytes("80GB"), parse_bytes("1 GiB"), parse_bytes(None)
-    (80000000000.0, 1073741824.0, None)
-    """
-    if v is None:
-        return None
-    if isinstance(v, (int, float)):
-        if v <= 0:
-            raise ValueError(f"memory_limit must be positive, got {v!r}")
-        return float(v)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(v))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"memory_limit {v!r}: give bytes or a string such as '80GB' or '64GiB'")
-    return float(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 def _progress(verbose, msg):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
 import importlib
 import importlib.util
@@ -28,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .options import OPTION_TYPES, option_flag
 
 EXIT_USAGE = 2
 
@@ -191,6 +194,73 @@ def _first_line(e: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# the options of autoshard.autoshard as flags (one per field of autoshard.options' objects)
+# ------------------------------------------------------------------------------------------------
+
+def _dest(cls, f) -> str:
+    return f"option_{cls.__name__}_{f.name}"
+
+
+def add_option_flags(parser) -> None:
+    """One flag per field of every option object of :mod:`autoshard.options`, grouped by object,
+    with the field's doc as help: ``--train``, ``--zero-stage``, ``--hardware``, ``--pipeline``,
+    ``--precision``, ``--recompute``, ``--strict``, ...
+
+    Example::
+
+        p = argparse.ArgumentParser(); add_option_flags(p)
+        options_from_flags(p.parse_args(["--hardware", "h100", "--precision", "bf16"]))
+        # [SearchOptions(search=None, hardware='h100', memory_limit=None), PrecisionOptions(param=torch.bfloat16, ...)]
+    """
+    for cls in OPTION_TYPES:
+        summary = cls.__doc__.split("\n\n")[0].replace("``", "")
+        group = parser.add_argument_group(f"{cls.__name__} (autoshard.options)", summary)
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            if m["parse"] is bool:
+                group.add_argument(option_flag(f), dest=_dest(cls, f), action="store_true", default=None,
+                                   help=m["doc"])
+                continue
+            metavar = m["metavar"] or ("{" + ",".join(map(str, m["choices"])) + "}" if m["choices"] else "VALUE")
+            group.add_argument(option_flag(f), dest=_dest(cls, f), default=None, metavar=metavar, help=m["doc"])
+
+
+def _flag_value(f, text: str):
+    """The value of one option flag's ``text`` (its field's parser, its choices checked)."""
+    m, flag = f.metadata, option_flag(f)
+    if m["parse"] is bool:
+        return True
+    choices = m["choices"]
+    hint = f"{flag} {m['metavar'] or '{' + ','.join(map(str, choices)) + '}'}"
+    try:
+        value = m["parse"](text) if m["parse"] is not None else text
+    except ValueError as e:
+        raise UsageError(f"{flag} {text!r}: {e}", hint) from None
+    if choices is not None and m["parse"] in (None, int) and value not in choices:
+        raise UsageError(f"{flag} {text!r} is not one of {', '.join(map(str, choices))}", hint)
+    return value
+
+
+def options_from_flags(ns) -> list:
+    """The option objects (:mod:`autoshard.options`) the flags in ``ns`` set: one object per
+    kind with any of its flags given, the others left out (``autoshard.autoshard``'s
+    defaults). A value that does not parse is a :class:`UsageError` naming the flag.
+
+    Example::
+
+        ns = build_parser().parse_args(["plan", "m.py:f", "--mesh", "dp=2", "--recompute", "on"])
+        options_from_flags(ns)   # [RecomputeOptions(checkpoint=True)]
+    """
+    out = []
+    for cls in OPTION_TYPES:
+        given = {f.name: _flag_value(f, getattr(ns, _dest(cls, f))) for f in dataclasses.fields(cls)
+                 if getattr(ns, _dest(cls, f), None) is not None}
+        if given:
+            out.append(cls(**given))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # the commands
 # ------------------------------------------------------------------------------------------------
 
@@ -198,28 +268,17 @@ def _make_plan(ns):
     # deferred: torch is heavy; --help and typing mistakes answer without loading it
     import autoshard
 
-    if ns.zero_stage is not None and not ns.train:
-        raise UsageError(f"--zero-stage {ns.zero_stage} shards training state, but the plan is not for training",
-                         "add --train")
+    options = options_from_flags(ns)
+    training = next((o for o in options if isinstance(o, autoshard.TrainingOptions)), autoshard.TrainingOptions())
+    if training.zero_stage is not None and not training.train:
+        raise UsageError(f"--zero-stage {training.zero_stage} shards training state, but the plan is not for "
+                         f"training", "add --train")
     mesh = autoshard.Mesh(parse_mesh(ns.mesh))
     layout = parse_layout(ns.layout)
     fn = load_factory(ns.target)
     model, args, kwargs, dims = call_factory(fn, ns.target, parse_factory_args(ns.factory_arg))
-    options = {}
-    if ns.train:
-        options["train"] = True
-    if ns.zero_stage is not None:
-        options["zero_stage"] = ns.zero_stage
-    if ns.memory_limit is not None:
-        # deferred: torch is heavy; --help and typing mistakes answer without loading it
-        from autoshard.api import parse_bytes
-
-        try:
-            options["memory_limit"] = parse_bytes(ns.memory_limit)
-        except ValueError as e:
-            raise UsageError(str(e), "bytes per device, e.g. --memory-limit 80GB") from None
-    plan = autoshard.autoshard(model, args, kwargs, mesh=mesh, dims=dims, layout=layout,
-                               verbose=ns.verbose, **options)
+    plan = autoshard.autoshard(model, args, kwargs, mesh=mesh, dims=dims, layout=layout, options=options,
+                               verbose=ns.verbose)
     return plan, args, kwargs
 
 
@@ -369,13 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a function returning (model, args, dims), e.g. examples/models.py:llama_tiny")
         sp.add_argument("--mesh", required=True, help="named mesh axes in order, e.g. dp=2,tp=2")
         sp.add_argument("--layout", help="dim -> mesh axes, e.g. batch=dp,heads=tp,ffn=tp")
-        sp.add_argument("--train", action="store_true", help="plan for training (forward, backward, optimizer)")
-        sp.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="state sharding on the data axis")
-        sp.add_argument("--memory-limit", help="bytes per device, e.g. 80GB")
         sp.add_argument("--factory-arg", action="append", metavar="NAME=VALUE",
                         help="keyword argument for the factory (repeatable), e.g. with_labels=True")
         sp.add_argument("--verbose", action="store_true", help="progress of planning on stderr")
         sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+        add_option_flags(sp)  # every option of autoshard.autoshard
 
     sp = sub.add_parser("plan", help="print the plan: named dims, owners, collectives with reasons")
     planning(sp)

@@ -19,13 +19,15 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Optional
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
+from .options import PipelineOptions
 from .ownership import assemble, local_shape
 from .plan import Plan
 from .runtime import run_simulated
@@ -329,53 +331,39 @@ class PipelinePlan(Plan):
 
 # ---------------------------------------------------------------------------- planning
 
-PIPELINE_KEYS = ("axis", "microbatches", "schedule", "virtual", "cuts")
+def pipeline_options(pipeline: Optional[PipelineOptions], mesh) -> Optional[PipelineOptions]:
+    """``pipeline=`` checked against the mesh, its axis filled in and its cuts a tuple. A mesh
+    with a ``pp`` axis pipelines on it even when ``pipeline`` is left out (every choice to the
+    planner); None: no pipeline.
 
-
-@dataclass
-class PipelineOptions:
-    """``pipeline=`` of ``autoshard.autoshard``, validated; None fields are left to the planner."""
-
-    axis: str
-    microbatches: int | None
-    schedule: str | None
-    virtual: int | None
-    cuts: list | None
-
-
-def pipeline_options(pipeline, mesh) -> PipelineOptions | None:
-    """Validate ``pipeline=`` against the mesh. A mesh with a ``pp`` axis pipelines on it even
-    when ``pipeline`` is left out (every choice to the planner); None: no pipeline."""
+    >>> from autoshard.mesh import Mesh
+    >>> pipeline_options(None, Mesh({"pp": 2, "dp": 2}))
+    PipelineOptions(axis='pp', microbatches=None, schedule=None, virtual=None, cuts=None)
+    """
     axes = getattr(mesh, "axes", {})
     if pipeline is None:
         if not isinstance(axes, dict) or axes.get("pp", 1) == 1:
             return None
-        pipeline = {}
-    if not isinstance(pipeline, dict):
-        raise ValueError(f"pipeline= takes a dict with keys {PIPELINE_KEYS}, got {pipeline!r}")
-    unknown = set(pipeline) - set(PIPELINE_KEYS)
-    if unknown:
-        raise ValueError(f"pipeline= has unknown keys {sorted(unknown)}; the keys are {list(PIPELINE_KEYS)}")
-    axis = pipeline.get("axis") or "pp"
+        pipeline = PipelineOptions()
+    axis = pipeline.axis or "pp"
     if isinstance(axes, dict) and axis not in axes:
         raise ValueError(f"pipeline axis {axis!r} is not an axis of {mesh}; name the mesh axis that splits the "
                          f"layer sequence, e.g. Mesh({{'pp': 2, 'dp': 2}}) and pipeline={{'axis': 'pp'}}")
     for key in ("microbatches", "virtual"):
-        v = pipeline.get(key)
-        if v is not None and (not isinstance(v, int) or v < 1):
+        v = getattr(pipeline, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"pipeline[{key!r}] must be a positive integer, got {v!r}")
-    sched = pipeline.get("schedule")
+    sched = pipeline.schedule
     if sched is not None and sched not in SCHEDULES:
         raise ValueError(f"pipeline schedule {sched!r} is not one of {sorted(SCHEDULES)}")
-    cuts = pipeline.get("cuts")
+    cuts = pipeline.cuts
     if cuts is not None and (isinstance(cuts, str) or not all(isinstance(c, str) for c in cuts)):
         raise ValueError(f"pipeline['cuts'] is a list of module names where stages begin, e.g. ['layers.4'], "
                          f"got {cuts!r}")
-    return PipelineOptions(axis, pipeline.get("microbatches"), sched, pipeline.get("virtual"),
-                           list(cuts) if cuts is not None else None)
+    return replace(pipeline, axis=axis, cuts=tuple(cuts) if cuts is not None else None)
 
 
-def auto_pipeline_axis(mesh, pipeline) -> str | None:
+def auto_pipeline_axis(mesh, pipeline: Optional[PipelineOptions]) -> Optional[str]:
     """The pipeline axis of a ``Mesh.auto`` whose pipeline degree the planner chooses: the
     ``axis`` of ``pipeline=`` or an axis named ``pp``; None when it has neither.
 
@@ -384,10 +372,10 @@ def auto_pipeline_axis(mesh, pipeline) -> str | None:
     ('pp', None)
     """
     axes = tuple(getattr(mesh, "axes", ()))
-    if isinstance(pipeline, dict) and pipeline.get("axis"):
-        if pipeline["axis"] not in axes:
-            raise ValueError(f"pipeline axis {pipeline['axis']!r} is not an axis of {mesh}")
-        return pipeline["axis"]
+    if pipeline is not None and pipeline.axis:
+        if pipeline.axis not in axes:
+            raise ValueError(f"pipeline axis {pipeline.axis!r} is not an axis of {mesh}")
+        return pipeline.axis
     return "pp" if "pp" in axes else None
 
 
@@ -435,7 +423,7 @@ def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions, cost_model=None) 
     virtual = opts.virtual or (2 if schedule == "interleaved" else 1)
     n_stages = pp * virtual
     graph = plan.program.graph_module.graph
-    cuts = opts.cuts if opts.cuts is not None else best_cuts(plan, opts.axis, n_stages, cost_model)
+    cuts = list(opts.cuts) if opts.cuts is not None else best_cuts(plan, opts.axis, n_stages, cost_model)
     if len(cuts) != n_stages - 1:
         raise LayoutError(f"pipeline cuts {cuts} make {len(cuts) + 1} stages; {opts.axis}={pp} with "
                           f"virtual={virtual} runs {n_stages}: give {n_stages - 1} cuts")

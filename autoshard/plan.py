@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import torch
 from tabulate import tabulate
@@ -19,6 +20,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from .mesh import Mesh
+from .options import Options
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
 from autoshard.runtime.execution import checkpoint as dist_checkpoint
@@ -27,10 +29,15 @@ from autoshard.runtime.transport.rank_context import current
 from .ownership import slice_dim_for
 from autoshard.runtime.execution.local import (UNCHECKED, LocalModule, check_slot, RankSpec, ShardedOptimizer, Slot, predicted_state_bytes)
 from autoshard.cost.idle import idle_axes_explained
+from autoshard.cost.model import CostModel
+from autoshard.cost.pipeline_search import PipelineDecision
+from autoshard.cost.search import SearchResult
 from autoshard.cost.report import alternatives, cost_report, explain
+from autoshard.passes.capture import Captured
 from autoshard.passes.recompute import checkpoint_blocks
-from autoshard.passes.dims import module_of
+from autoshard.passes.dims import DimInfo, module_of
 from autoshard.passes.export import export_plan
+from autoshard.passes.spmd import Layout, Program
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,22 @@ _RANK_SPEC_LOCK = threading.Lock()
 
 @dataclass
 class Plan:
+    """What ``autoshard.autoshard`` made: the captured program, its named dims, the layout
+    resolved on the mesh, the per-rank program, and what they were made with. Every field is set
+    when the plan is made (``autoshard.api``); the properties and methods below read them.
+
+    Example::
+
+        plan = autoshard.autoshard(model, args, mesh=Mesh({"dp": 2}), dims=dims, layout={"batch": "dp"})
+        plan.mesh, plan.layout, plan.options.training.bucket_mb, plan.cost["step_time"]
+    """
+
     model: torch.nn.Module
     mesh: Mesh
-    captured: object
-    info: object
-    resolved: object
-    program: object
+    captured: Captured  # the program as torch.export captured it (passes.capture)
+    info: DimInfo  # its logical dims and their names (passes.dims)
+    resolved: Layout  # the layout on this mesh (passes.spmd.resolve_layout)
+    program: Program  # the per-rank program and its collectives (passes.spmd)
     train: bool = False
     timings: dict = field(default_factory=dict)
     last_trace: list = field(default_factory=list)  # per-rank CollectiveRecords of the last simulation
@@ -70,9 +87,19 @@ class Plan:
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
     checkpoint: list = field(default_factory=list)  # blocks recomputed in backward (activation checkpointing)
     checkpoint_policy: str = "block"  # how: passes.recompute.POLICIES
-    _rank_spec: object = field(default=None, repr=False)
+    _rank_spec: Optional[RankSpec] = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
-    example_inputs: object = field(default=None, repr=False)
+    example_inputs: Optional[tuple] = field(default=None, repr=False)
+    options: Options = field(default_factory=Options, repr=False)  # the options it was planned with
+    search: Optional[SearchResult] = field(default=None, repr=False)  # the layout search's result, if it ran
+    cost_model: Optional[CostModel] = field(default=None, repr=False)  # what plan.cost prices it with
+    bucket_mb: float = 25.0  # data-parallel gradient bucket size (MiB; 0: one sum per parameter)
+    units: Union[str, tuple, list] = "block"  # the ZeRO-3 gather units it was built with
+    # why a Mesh.auto with a pipeline axis chose its pipeline degree (plan.explain())
+    pipeline_decision: Optional[PipelineDecision] = field(default=None, repr=False)
+    reduce_dtype: Optional[torch.dtype] = None  # dtype gradient sums run in (mixed precision)
+    # values derived from the plan once, by the cost model's reports (cost.plan_cost, cost.idle)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -289,7 +316,7 @@ class Plan:
         _LazyGraphModule.force_recompile(forward)
         return RankSpec(mesh, forward, slots, list(self.data_axes), prog.reshard_tags, list(prog.buckets),
                         cap.flatten_args, lambda flat: pytree.tree_unflatten(flat, cap.out_spec),
-                        getattr(self, "reduce_dtype", None), list(cap.mutated))
+                        self.reduce_dtype, list(cap.mutated))
 
     def optimizer(self, local: LocalModule, optimizer_cls, **kwargs) -> ShardedOptimizer:
         """The optimizer for ``local``: ``optimizer_cls(params, **kwargs)`` over this rank's
@@ -515,7 +542,7 @@ class Plan:
     def explain(self) -> str:
         """Why this plan: its predicted cost, and what makes the runner-up slower (and, for a
         ``Mesh.auto`` with a pipeline axis, why the pipeline degree)."""
-        decision = getattr(self, "pipeline_decision", None)
+        decision = self.pipeline_decision
         if decision is None:
             return explain(self)
         if decision.pp == 1:

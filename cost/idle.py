@@ -62,9 +62,8 @@ def idle_axes_explained(plan) -> list:
     """One sentence per idle axis: the compute splitting the batch there would save and the
     communication it would add (milliseconds per rank, from the plan's cost model), or why the
     batch cannot be split there. Computed once per plan."""
-    cached = getattr(plan, "_autoshard_idle", None)
-    if cached is not None:
-        return cached
+    if "idle" in plan.derived:
+        return plan.derived["idle"]
     out = []
     mesh, name = plan.mesh, _batch_name(plan)
     for axis in idle_axes(plan):
@@ -93,10 +92,7 @@ def idle_axes_explained(plan) -> list:
         kinds = ", ".join(f"{k} x{c}" for k, c in sorted(by_kind.items()))
         out.append(f"{head}: splitting {name} on {axis} would save {_time(saved)} of compute per rank and cost "
                    f"{_time(comm)} of communication on {axis}" + (f" ({kinds})" if kinds else "") + " at this size.")
-    try:
-        plan._autoshard_idle = out
-    except AttributeError:  # pragma: no cover
-        pass
+    plan.derived["idle"] = out
     return out
 
 

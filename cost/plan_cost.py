@@ -19,22 +19,15 @@ __all__ = ["plan_cost", "layout_cost"]
 
 
 def _cost_model(plan):
-    cm = getattr(plan, "cost_model", None)
-    return cm if cm is not None else resolve_cost_model(None)
+    return plan.cost_model if plan.cost_model is not None else resolve_cost_model(None)
 
 
 def plan_cost(plan) -> PlanCost:
     """The cost model applied to the plan's rewritten program and its collectives (cached on
     the plan)."""
-    cached = getattr(plan, "_autoshard_cost", None)
-    if cached is not None:
-        return cached
-    cost = _program_cost(plan, plan.program, plan.zero_stage, plan.data_axes)
-    try:
-        plan._autoshard_cost = cost
-    except AttributeError:  # pragma: no cover
-        pass
-    return cost
+    if "cost" not in plan.derived:
+        plan.derived["cost"] = _program_cost(plan, plan.program, plan.zero_stage, plan.data_axes)
+    return plan.derived["cost"]
 
 
 def layout_cost(plan, layout: dict, zero_stage: int) -> PlanCost:
@@ -43,19 +36,19 @@ def layout_cost(plan, layout: dict, zero_stage: int) -> PlanCost:
     cap = plan.captured
     program, axes = build_program(cap.graph, cap.inputs, plan.info, resolve_layout(plan.info, layout, plan.mesh),
                                   plan.mesh, train=plan.train, zero_stage=zero_stage, reshard=True,
-                                  bucket_mb=getattr(plan, "bucket_mb", 25.0),
+                                  bucket_mb=plan.bucket_mb,
                                   display={i.name: i.target for i in cap.inputs},
-                                  units=getattr(plan, "units", None) or "block", context={})
+                                  units=plan.units or "block", context={})
     return _program_cost(plan, program, zero_stage, axes)
 
 
 def _program_cost(plan, program, zero_stage: int, data_axes) -> PlanCost:
     cap = plan.captured
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-    bucket_mb = getattr(plan, "bucket_mb", 25.0)
+    bucket_mb = plan.bucket_mb
     kw = {}
-    if getattr(plan, "checkpoint", None):  # recomputed blocks, by the plan's policy
-        fn, kw = checkpointed_program_cost, {"policy": getattr(plan, "checkpoint_policy", "block")}
+    if plan.checkpoint:  # recomputed blocks, by the plan's policy
+        fn, kw = checkpointed_program_cost, {"policy": plan.checkpoint_policy}
     else:
         fn = program_cost
     return fn(program, cap.inputs, vals, plan.mesh, _cost_model(plan), train=plan.train, zero_stage=zero_stage,

@@ -89,7 +89,7 @@ def alternatives(plan) -> list:
     """The best other candidates the search found, cheapest first: dicts with ``mesh``,
     ``layout``, ``zero_stage``, ``reshard_after_forward``, ``step_time`` and ``cost``
     (a :class:`~autoshard.cost.model.PlanCost`)."""
-    res = getattr(plan, "search", None)
+    res = plan.search
     if res is None:
         return []
     return [{"mesh": e.mesh if hasattr(e, "mesh") else res.mesh, "layout": e.layout, "zero_stage": e.candidate.zero_stage,
@@ -139,12 +139,12 @@ def _sequence_whole(plan, seq_names):
 
 def explain(plan) -> str:
     """In words: what the plan is, what it costs, and why it beats the runner-up."""
-    res = getattr(plan, "search", None)
+    res = plan.search
     cost = plan_cost(plan)
     ms = lambda s: f"{s * 1e3:.3f} ms"
     gb = lambda b: f"{b / 1e9:.3f} GB"
     head = (f"Plan on {plan.mesh}: {describe_layout(plan.layout, plan.mesh)}"
-            + (f"; ZeRO stage {plan.zero_stage} on {plan.data_axes[0]}" if getattr(plan, "zero_stage", 0) else "")
+            + (f"; ZeRO stage {plan.zero_stage} on {plan.data_axes[0]}" if plan.zero_stage else "")
             + f". Predicted step {ms(cost.step_time)} (compute {ms(cost.compute)}, exposed communication "
             + f"{ms(cost.comm_exposed)}), peak memory {gb(cost.memory['peak'])} per rank.")
     soft = sorted(n for n, axes in plan.layout.items() if any(a.endswith("?") for a in axes or ()))
@@ -153,7 +153,7 @@ def explain(plan) -> str:
             f" {n}? is soft: {n} is split on {', '.join(a[:-1] for a in plan.layout[n])} only in the activations no "
             f"hard entry of that axis claims (between the regions the hard names split: norms, residual adds), "
             f"converted by reduce-scatters and all-gathers where the regions meet." for n in soft)
-    lapses = list(getattr(plan, "unsharded", []))
+    lapses = list(plan.unsharded)
     if lapses:
         head += (f" Not sharded as the layout asks: {len(lapses)} forward gather(s), "
                  f"{sum(u.bytes for u in lapses)} bytes/rank, e.g. {lapses[0]} (strict=True refuses this plan).")

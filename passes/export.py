@@ -448,7 +448,7 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "aliases": dict(plan.captured.aliases),
         "state_dict_keys": list(plan.model.state_dict().keys()),  # checkpoints: consolidate's keys
         "reshard_tags": sorted(plan.program.reshard_tags),
-        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if getattr(plan, "reduce_dtype", None) else None,
+        "reduce_dtype": str(plan.reduce_dtype).replace("torch.", "") if plan.reduce_dtype is not None else None,
         "grad_buckets": _grad_buckets(plan),
         "weights": {"file": weights_file, "checkpoint": checkpoint, "buffers": buffers_file},
         "example_inputs": INPUTS if has_inputs else None,

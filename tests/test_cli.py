@@ -6,6 +6,7 @@ processes, ``--check``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -84,12 +85,68 @@ def test_export_writes_a_runnable_directory(capsys, tmp_path):
     (["plan", LLAMA, "--mesh", "dp=3", "--layout", "batch=dp"], "cannot split evenly"),
     (["plan", LLAMA, "--mesh", "dp=2", "--factory-arg", "nope=1"], "calling"),
     (["plan", LLAMA, "--mesh", "dp=2", "--memory-limit", "lots"], "memory_limit 'lots'"),
+    (["plan", LLAMA, "--mesh", "dp=2", "--recompute", "maybe"], "--recompute 'maybe'"),
+    (["plan", LLAMA, "--mesh", "dp=2", "--precision", "bf17"], "unknown floating dtype 'bf17'"),
+    (["plan", LLAMA, "--mesh", "dp=2", "--zero-stage", "5", "--train"], "--zero-stage '5' is not one of 0, 1, 2, 3"),
+    (["plan", LLAMA, "--mesh", "dp=2", "--hardware", "h1000"], "'h1000' is neither a hardware preset"),
 ])
 def test_user_mistakes_are_one_line_with_a_hint(capsys, argv, message):
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("autoshard: error: ") and "(hint: " in err, err
     assert message in err and "Traceback" not in err
+
+
+def test_every_option_field_has_a_flag():
+    """The planning commands take one flag per field of every option object of
+    ``autoshard.options`` (so every option of ``autoshard.autoshard``, tests/test_options.py),
+    its help the field's doc."""
+    from autoshard.options import OPTION_TYPES, option_flag
+
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    for command in ("plan", "explain", "export", "run"):
+        helps = {s: a.help for a in commands[command]._actions for s in a.option_strings}
+        for cls in OPTION_TYPES:
+            for f in dataclasses.fields(cls):
+                assert helps.get(option_flag(f)) == f.metadata["doc"], (command, cls.__name__, f.name)
+
+
+def _cli_plan(*argv):
+    return cli._make_plan(cli.build_parser().parse_args(["plan", *argv]))[0]
+
+
+def test_a_cli_plan_equals_the_api_plan_with_the_same_options():
+    import torch
+
+    import autoshard
+    from autoshard.options import (ContextOptions, PipelineOptions, PrecisionOptions, RecomputeOptions,
+                                   RewriteOptions, SearchOptions, TrainingOptions)
+    from examples.models import llama_tiny
+
+    plan = _cli_plan(LLAMA, *DP_TP, "--factory-arg", "with_labels=True", "--train", "--zero-stage", "3",
+                     "--bucket-mb", "1", "--units", "block", "--hardware", "h100", "--precision", "bf16",
+                     "--reduce-precision", "fp32", "--recompute", "on", "--strict", "--disable-passes", "early_sums",
+                     "--context-variant", "ring", "--search", "off")
+    model, args, dims = llama_tiny(with_labels=True)
+    api = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"dp": 2, "tp": 2}), dims=dims,
+                              layout={"batch": "dp", "heads": "tp", "ffn": "tp"}, options=[
+        TrainingOptions(train=True, zero_stage=3, bucket_mb=1.0, units="block"),
+        SearchOptions(search=False, hardware="h100"), RewriteOptions(strict=True, disable_passes=("early_sums",)),
+        PrecisionOptions(param=torch.bfloat16, reduce=torch.float32), RecomputeOptions(checkpoint=True),
+        ContextOptions(variant="ring")])
+    assert plan.options == api.options
+    assert str(plan) == str(api) and plan.checkpoint == api.checkpoint and plan.cost == api.cost
+    assert [p.name for p in plan.passes if not p.ran] == [p.name for p in api.passes if not p.ran]
+    assert "early_sums" in [p.name for p in plan.passes if not p.ran]
+
+    # a pipeline from flags: the same PipelinePlan as pipeline=PipelineOptions(...)
+    plan = _cli_plan(LLAMA, "--mesh", "pp=2,dp=2", "--layout", "batch=dp", "--factory-arg", "with_labels=True",
+                     "--train", "--pipeline", "pp", "--microbatches", "2", "--schedule", "gpipe")
+    api = autoshard.autoshard(model, args, mesh=autoshard.Mesh({"pp": 2, "dp": 2}), dims=dims,
+                              layout={"batch": "dp"}, train=True,
+                              pipeline=PipelineOptions(axis="pp", microbatches=2, schedule="gpipe"))
+    assert plan.options == api.options and plan.schedule_name == "gpipe" and plan.microbatches == 2
+    assert str(plan) == str(api)
 
 
 def test_calibrate_rejects_a_bad_mesh_in_one_line(capsys):
