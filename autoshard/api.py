@@ -135,7 +135,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     ``plan.checkpoint_policy`` says how). True or ``"block"``: whole blocks; ``"selective"``:
     keep matmul and attention outputs, recompute pointwise ops and norms
     (``autoshard.passes.recompute``); False: never; None lets the search turn it on when the
-    plan fits ``memory_limit`` only with it, selective first (``autoshard.cost.recompute``).
+    plan fits ``memory_limit`` only with it, by the faster policy that fits (``autoshard.cost.recompute``).
 
     ``disable_passes``: names of program passes (``autoshard.passes.manager.PROGRAM_PASSES``:
     ``"early_sums"``, ``"overlap_linear"``, ...) not to run on the rewritten program;

@@ -19,7 +19,7 @@ is again the largest block's activations, and only the forward time of the ops i
 is paid again in backward (no collective runs again: they are kept).
 
 :func:`checkpoint_choice` is the search's decision: off if the plan fits ``memory_limit``
-without it, else the selective policy if it fits, else the whole-block one.
+without it, else the faster of the selective and the whole-block policy among those that fit.
 
 Example::
 
@@ -148,10 +148,10 @@ def has_blocks(segments: list) -> bool:
 
 def checkpoint_choice(plain, checkpointed, memory_limit, forced=None):
     """``(policy or False, its cost)`` given the plain ``PlanCost`` and ``checkpointed``:
-    {policy: its ``PlanCost``, or a callable evaluated only if needed}, in order of preference
-    (selective first: it recomputes less). ``forced``: False, or a policy (True: ``"block"``),
-    decides; None: no recompute when the plain plan fits ``memory_limit``, else the first policy
-    whose plan fits (none fits: the plain one, which the search then rejects).
+    {policy: its ``PlanCost``, or a callable evaluated only if needed}. ``forced``: False, or a
+    policy (True: ``"block"``), decides; None: no recompute when the plain plan fits
+    ``memory_limit``, else the fastest policy whose plan fits (none fits: the plain one, which
+    the search then rejects).
 
     Example::
 
@@ -163,14 +163,17 @@ def checkpoint_choice(plain, checkpointed, memory_limit, forced=None):
         forced = "block"
     if forced is False or (forced is None and plain.fits(memory_limit)):
         return False, plain
+    best = None
     for policy, ck in checkpointed.items():
         if forced is not None and policy != forced:
             continue
         ck = ck() if callable(ck) else ck
-        if forced is not None or ck.fits(memory_limit):
-            ck.checkpoint = policy
-            return policy, ck
-    return False, plain
+        if (forced is not None or ck.fits(memory_limit)) and (best is None or ck.step_time < best[1].step_time):
+            best = (policy, ck)
+    if best is None:
+        return False, plain
+    best[1].checkpoint = best[0]
+    return best
 
 
 def checkpointed_program_cost(program, inputs, vals, mesh, cm, policy: str = "block", **kw):

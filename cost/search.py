@@ -728,7 +728,8 @@ class SearchSpace:
             # The same program as with release after forward, less the second gathers: the
             # rewrite differs only in which gathers it tags for release.
             segs = self.segments(Candidate(cand.axes, 3, True))
-            segs = [_without_regathers(sg) for sg in segs]
+            copies: dict = {}  # a repeated block stays one object (cost/recompute.py tells blocks apart so)
+            segs = [copies.setdefault(id(sg), _without_regathers(sg)) for sg in segs]
             self._segments[skey] = segs
             return segs
         layout = cand.layout(self.names, self.extra)
