@@ -39,12 +39,13 @@ from .mesh import AutoMesh, Mesh
 from .options import (ContextOptions, ExpertOptions, Options, PipelineOptions, PrecisionOptions, RecomputeOptions,
                       SearchOptions, collect, parse_bytes)
 from .pipeline_plan import (PipelinePlan, auto_pipeline_axis, default_microbatches, finish_pipeline,
-                            first_microbatch, pipeline_options)
+                            first_microbatch, pipeline_options, recompute_stages)
 from .block_check import add_block_check
 from .plan import EXPORT_HOOKS, Plan
 from autoshard.passes.capture import capture
 from autoshard.passes.guards import UnsupportedModelError
 from autoshard.passes.recompute import block_name, block_regions
+from autoshard.passes.recompute import check_policy as check_recompute_policy
 from autoshard.passes.dims import infer_dims
 from autoshard.passes.experts import find_expert_regions
 from autoshard.passes.pipeline import tag_origins
@@ -68,7 +69,7 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
               memory_limit=None, bucket_mb: float = 25.0, units=None, hardware=None,
               search: Optional[bool] = None, pipeline: Union[dict, PipelineOptions, None] = None,
               moe: Union[dict, ExpertOptions, None] = None, verbose: bool = False, captured=None,
-              precision: Union[dict, PrecisionOptions, None] = None, checkpoint: Optional[bool] = None,
+              precision: Union[dict, PrecisionOptions, None] = None, checkpoint: Union[bool, str, None] = None,
               context: Union[dict, ContextOptions, None] = None, strict: bool = False, disable_passes=()) -> Plan:
     """Plan ``model(*args, **kwargs)`` on ``mesh``: name every dim, place every value, insert
     the collectives. ``layout`` maps dim names (or globs over inferred names) to mesh axes;
@@ -131,9 +132,11 @@ def autoshard(model: torch.nn.Module, args, kwargs=None, *, mesh, dims=None, lay
     attention) or the variant.
 
     ``checkpoint`` (training): recompute each repeated block's activations in backward instead
-    of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks). True /
-    False forces it; None lets the search turn it on when the plan fits ``memory_limit`` only
-    with it (``autoshard.cost.recompute``).
+    of keeping them (activation checkpointing; ``plan.checkpoint`` lists the blocks,
+    ``plan.checkpoint_policy`` says how). True or ``"block"``: whole blocks; ``"selective"``:
+    keep matmul and attention outputs, recompute pointwise ops and norms
+    (``autoshard.passes.recompute``); False: never; None lets the search turn it on when the
+    plan fits ``memory_limit`` only with it, by the faster policy that fits (``autoshard.cost.recompute``).
 
     ``disable_passes``: names of program passes (``autoshard.passes.manager.PROGRAM_PASSES``:
     ``"early_sums"``, ``"overlap_linear"``, ...) not to run on the rewritten program;
@@ -189,7 +192,7 @@ class _Found:
     mesh: Mesh
     zero_stage: int
     reshard_after_forward: Optional[bool]
-    checkpoint: bool
+    checkpoint: Union[bool, str]  # False, or the recompute policy ("block", "selective")
     result: object = None  # cost.search.SearchResult when the search ran
     decision: object = None  # cost.pipeline_search.PipelineDecision of a Mesh.auto with a pipeline axis
     pipelined: Optional[Plan] = None  # that decision's pipelined plan (planned on its own mesh)
@@ -234,8 +237,6 @@ def _check(model, args, kwargs, mesh, dims, layout, opts: Options, captured, ver
     pipe = pipeline_options(pipeline, mesh)
     # Mesh.auto with a pipeline axis: the pipeline degree is searched too (cost/pipeline_search.py)
     auto_pp = auto_pipeline_axis(mesh, pipeline) if meshes is not None else None
-    if auto_pp is not None and checkpoint:
-        raise ValueError("checkpoint=True is not supported with a pipeline axis yet")
     if auto_pp is not None:
         pipe = None  # the degree is searched first; a chosen pipeline is planned on its own mesh
     elif meshes is not None and pipeline is not None:
@@ -262,12 +263,10 @@ def _check_training(opts: Options) -> None:
         raise ValueError("reshard_after_forward applies to zero_stage=3 (parameters gathered for use)")
     if tr.units is not None:
         check_policy(tr.units)
-    if checkpoint is not None and not isinstance(checkpoint, bool):
-        raise ValueError(f"checkpoint must be True, False or None, not {checkpoint!r}")
+    if checkpoint not in (None, False):
+        check_recompute_policy(checkpoint)  # True, "block" or "selective"
     if checkpoint and not tr.train:
         raise ValueError("checkpoint=True recomputes activations in backward: pass train=True")
-    if checkpoint and opts.pipeline is not None:
-        raise ValueError("checkpoint=True is not supported with pipeline= yet (stage programs are not cut into blocks)")
 
 
 def _capture(req: _Request, captured):
@@ -315,14 +314,14 @@ def _search(req: _Request, cap, info) -> _Found:
     tr, pipe = req.options.training, req.pipe
     if not req.searching:
         return _Found(req.layout, req.mesh, tr.zero_stage or 0, tr.reshard_after_forward,
-                      bool(req.options.recompute.checkpoint) and tr.train)
+                      _recompute_policy(req.options.recompute.checkpoint) if tr.train else False)
     t = time.perf_counter()
     search_args = dict(
         train=tr.train, zero_stage=tr.zero_stage, reshard_after_forward=tr.reshard_after_forward,
         memory_limit=req.memory_limit, cost_model=req.cost_model, bucket_mb=tr.bucket_mb, verbose=req.verbose,
         display={i.name: i.target for i in cap.inputs},
         units=check_policy(tr.units) if tr.units is not None else ("param" if not tr.bucket_mb else "block"),
-        checkpoint=False if pipe is not None else req.options.recompute.checkpoint)
+        checkpoint=_recompute_policy(req.options.recompute.checkpoint))
     constraints = _constraints(req.layout, req.options.search.search, info)
     decision = None
     if req.auto_pp is not None:
@@ -346,8 +345,13 @@ def _search(req: _Request, cap, info) -> _Found:
     req.timings["search"] = time.perf_counter() - t
     _progress(req.verbose, f"searched {result.space_size} candidates ({result.evaluated} evaluated) in "
                            f"{req.timings['search']:.2f}s: {mesh}, {result.best.candidate.describe()}")
-    return _Found(result.layout, mesh, zero_stage or 0, reshard, bool(result.checkpoint) and tr.train, result,
-                  decision)
+    return _Found(result.layout, mesh, zero_stage or 0, reshard, (result.checkpoint or False) if tr.train else False,
+                  result, decision)
+
+
+def _recompute_policy(checkpoint):
+    """``checkpoint=`` as the search and the plan take it: None, False or a policy name."""
+    return checkpoint if checkpoint in (None, False) else check_recompute_policy(checkpoint)
 
 
 def _plan_pipeline(req: _Request, decision) -> Plan:
@@ -362,7 +366,7 @@ def _plan_pipeline(req: _Request, decision) -> Plan:
     pipeline = PipelineOptions(axis=decision.axis, microbatches=c.microbatches, schedule=c.schedule,
                                virtual=c.virtual, cuts=(opts.pipeline or PipelineOptions()).cuts)
     opts = replace(opts, training=training, pipeline=pipeline, search=SearchOptions(search=True, hardware=req.cost_model),
-                   recompute=RecomputeOptions())
+                   recompute=RecomputeOptions(checkpoint=inner.cost.checkpoint or False))
     plan = _plan(req.model, req.args, req.kwargs, Mesh({decision.axis: c.pp, **inner.mesh.axes}), req.dims,
                  dict(inner.layout), opts, verbose=req.verbose, decision=decision)
     plan.timings["capture"] += req.timings["capture"]
@@ -395,7 +399,8 @@ def _build(req: _Request, cap, info, found: _Found) -> _Built:
     if tr.units is None and found.zero_stage == 3 and tr.bucket_mb and req.searching and pipe is None:
         # the unit policy (FSDP's wrapping) by cost: fastest within memory_limit
         vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-        cost_fn = checkpointed_program_cost if found.checkpoint else program_cost
+        cost_fn = (functools.partial(checkpointed_program_cost, policy=found.checkpoint) if found.checkpoint
+                   else program_cost)
 
         def lazy_build(policy):  # Python code is generated for the chosen program only
             with lazy_programs():
@@ -422,13 +427,16 @@ def _finish(req: _Request, cap, info, found: _Found, built: _Built) -> Plan:
     checkpoint = checkpointed_blocks(program, cap, forced=req.options.recompute.checkpoint) if found.checkpoint else []
     fields = dict(model=req.model, mesh=found.mesh, captured=cap, info=info, resolved=built.resolved, program=program,
                   train=req.train, timings=req.timings, zero_stage=found.zero_stage, data_axes=built.data_axes,
-                  checkpoint=checkpoint, example_inputs=(tuple(req.args), dict(req.kwargs or {})),
+                  checkpoint=checkpoint, checkpoint_policy=found.checkpoint or "block",
+                  example_inputs=(tuple(req.args), dict(req.kwargs or {})),
                   options=req.options, search=found.result, cost_model=req.cost_model,
                   bucket_mb=req.options.training.bucket_mb, units=built.units,
                   pipeline_decision=req.decision or found.decision, reduce_dtype=req.reduce_dtype)
     if req.pipe is not None:
         # data-parallel gradient sums of a pipelined step are deferred to its last microbatch
         plan = finish_pipeline(PipelinePlan(**fields, microbatches=req.pipe.microbatches), req.pipe, req.cost_model)
+        if checkpoint:
+            recompute_stages(plan)  # each stage program's blocks, by the same policy
     else:
         plan = Plan(**fields)
     if req.reduce_dtype is not None:

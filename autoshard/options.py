@@ -117,7 +117,7 @@ def parse_switch(text: str):
 
 
 # what ``--recompute WORD`` means: a word -> the value of RecomputeOptions.checkpoint
-CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
+CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None, "block": "block", "selective": "selective"}
 
 
 def _parse_checkpoint(text: str):
@@ -244,9 +244,10 @@ class RecomputeOptions:
                             options=RecomputeOptions(checkpoint=True))
     """
 
-    checkpoint: Optional[bool] = _opt(None, "recompute each repeated block's activations in backward: on, off, or "
-                                            "auto (the search turns it on when only then the plan fits the "
-                                            "memory limit)", flag="--recompute", parse=_parse_checkpoint,
+    checkpoint: Union[bool, str, None] = _opt(None, "recompute each repeated block's activations in backward: on "
+                                            "(whole blocks, as block), selective (keep matmul and attention "
+                                            "outputs), off, or auto (the search turns it on when only then the "
+                                            "plan fits the memory limit)", flag="--recompute", parse=_parse_checkpoint,
                                       choices=tuple(CHECKPOINT_CHOICES))
 
 

@@ -37,7 +37,9 @@ from autoshard.runtime.execution.pipeline import PipelineRank, PipelineSpec, spl
 from autoshard.runtime.execution.schedules import SCHEDULES, make_schedule
 from autoshard.runtime.execution.timeline import chrome_trace, measured_trace
 from autoshard.cost.model import resolve_cost_model
+from autoshard.cost.stage_memory import stage_memory
 from autoshard.cost.pipeline import bubble, choose_cuts, schedule_timeline, stage_seconds, unit_seconds
+from autoshard.passes.recompute import checkpoint_blocks
 from autoshard.passes.pipeline import cut_candidates, cut_profile, even_cuts, split_program
 from autoshard.passes.spmd import LayoutError
 
@@ -81,6 +83,16 @@ class PipelinePlan(Plan):
     def schedule(self) -> dict:
         """{pipeline rank: [Action, ...]}: what each pipeline rank runs in one step, in order."""
         return {r: list(acts) for r, acts in enumerate(self.action_lists)}
+
+    def stage_memory(self) -> list:
+        """Predicted bytes per pipeline rank: state, activations as the schedule holds them,
+        peak (``autoshard.cost.stage_memory``).
+
+        Example::
+
+            [r["peak"] for r in plan.stage_memory()]     # one per coordinate on the pp axis
+        """
+        return stage_memory(self, self.cost_model)
 
     @property
     def stages(self) -> list:
@@ -421,3 +433,29 @@ def finish_pipeline(plan: PipelinePlan, opts: PipelineOptions, cost_model=None) 
     plan.schedule_name, plan.virtual = schedule, virtual
     plan.action_lists = make_schedule(schedule, pp, plan.microbatches, virtual)
     return plan
+
+
+def recompute_stages(plan: PipelinePlan) -> PipelinePlan:
+    """Activation recompute in every stage program of ``plan``: its blocks listed in
+    ``plan.checkpoint`` recomputed by ``plan.checkpoint_policy`` (``passes/recompute.py``).
+    A stage's activations are what depends on its user inputs and on the values it receives.
+    Schedules that split backward into input- and weight-gradient actions are refused: a
+    recomputed block differentiates both at once.
+
+    Example::
+
+        plan.checkpoint, plan.checkpoint_policy = ["layers.0", "layers.1"], "selective"
+        recompute_stages(plan)
+    """
+    if any(a.kind == "W" for acts in plan.action_lists for a in acts):
+        raise ValueError(f"activation recompute with the {plan.schedule_name} schedule: it splits backward into "
+                         f"input- and weight-gradient actions, which a recomputed block runs at once (hint: "
+                         f"schedule='1f1b', or checkpoint=False)")
+    users = {s.name for s in plan.rank_spec().slots if s.kind == "user"}
+    plan.plain_stage_forwards = [st.forward for st in plan.pipe.stages]  # priced as written (cost/stage_memory.py)
+    for st in plan.pipe.stages:
+        acts = {st.forward.graph.find_nodes(op="placeholder")[i].name for i, (kind, _) in enumerate(st.inputs)
+                if kind == "recv" or (kind == "slot" and _ in users)}
+        st.forward = checkpoint_blocks(st.forward, acts, set(plan.checkpoint), plan.checkpoint_policy)[0]
+    return plan
+

@@ -91,6 +91,7 @@ class Plan:
     zero_stage: int = 0
     data_axes: list = field(default_factory=list)  # mesh axes that split the batch
     checkpoint: list = field(default_factory=list)  # blocks recomputed in backward (activation checkpointing)
+    checkpoint_policy: str = "block"  # how: passes.recompute.POLICIES
     _rank_spec: Optional[RankSpec] = field(default=None, repr=False)
     # (args, kwargs) the plan was made from (the caller's tensors, not copies): export's default inputs
     example_inputs: Optional[tuple] = field(default=None, repr=False)
@@ -312,7 +313,7 @@ class Plan:
         forward = prog.graph_module
         if self.checkpoint:
             users = {i.name for i in cap.inputs if i.kind == "user"}
-            forward = checkpoint_blocks(forward, users, set(self.checkpoint))[0]
+            forward = checkpoint_blocks(forward, users, set(self.checkpoint), self.checkpoint_policy)[0]
         # A program rewritten lazily (the search, the final build) or a lazy one's checkpointed
         # copy generates its Python code on its first call. Generate it here, in one thread: fx's
         # code generation is not thread-safe, and ranks making that first call at once can get a

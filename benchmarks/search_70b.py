@@ -5,11 +5,12 @@ Run: .venv/bin/python benchmarks/search_70b.py [--layers 80] [--batch 32] [--seq
                                              [--case free|megatron|both] [--memory-limit 80GB]
 
 Cases:
-* ``free``: every layout and ZeRO stage open. 70B x 16 B = 1.13 TB of state; ZeRO-3 over 64
-  ranks leaves ~17.6 GB a rank, so no pipeline is needed;
-* ``megatron``: Megatron's setting: tp shards heads / kv_heads / ffn / vocab, batch on dp, ZeRO
-  off; a rank then holds 1.13 TB / tp, over 80 GB for any tp <= 8, and the
-  planner pipelines.
+* ``free``: every layout and ZeRO stage open. 70B x 16 B = 1.13 TB
+  of state; ZeRO-3 over 64 ranks leaves ~17.6 GB a rank, so no pipeline is needed;
+* ``megatron``: Megatron's setting: tp shards heads / kv_heads / ffn / vocab, batch
+  on dp, ZeRO off; a rank then holds 1.13 TB / tp, over 80 GB for any tp <= 8, and the
+  planner pipelines, recomputing activations (whole blocks or selectively) where the stages'
+  activations in flight would not fit otherwise.
 
 For each: the chosen mesh, the pipeline decision (``plan.explain()``'s pipeline part),
 torch.export's time and autoshard's own time beyond it, wall and this process's CPU time (the
@@ -55,6 +56,8 @@ def run(case: str, a) -> None:
     print(f"chosen: {plan.mesh}" + (f", {plan.schedule_name}, {plan.microbatches} microbatches" if d.pp > 1 else ""))
     if getattr(plan.search, "best", None) is not None:
         print(f"layout: {plan.search.best.candidate.describe()}")
+    print("activation recompute: " + (f"{plan.checkpoint_policy} ({len(plan.checkpoint)} blocks)" if plan.checkpoint
+                                      else "off"))
     print(d.explain())
     # wall time counts waiting for a shared CPU; this process's CPU time does not
     print(f"torch.export {t['capture']:.2f} s wall, {t['capture_cpu']:.2f} s CPU (twice when pipelined: whole batch "

@@ -54,6 +54,7 @@ from autoshard.cost.context_parallel import attention_seconds
 from .comm import R as R_SYM, V as V_SYM, collective_bytes, collective_formula, collective_time
 from .compute import roofline_time
 from .hardware import Hardware, load_hardware, normalize_dtype
+from .saved import ATTENTION, SavedCounter
 
 _GETITEM = operator.getitem
 
@@ -300,6 +301,7 @@ class Segment:
     max_act_bytes: int = 0
     saved_by_module: dict = field(default_factory=dict)  # module FQN -> its part of saved_bytes
     boundary_bytes: int = 0  # activations a checkpointed block keeps (its inputs; cost/recompute.py)
+    selective: Optional[tuple] = None  # (held bytes, recomputed ops) under the selective policy (cost/recompute.py)
 
     def key(self):
         return (tuple(x if isinstance(x, tuple) else x.key() for x in self.items), self.saved_bytes,
@@ -340,6 +342,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
     the bucket assignment."""
     graph = unfused(program.graph_module.graph)  # priced as the unfused program (no overlap modelled)
     rg = requires_grad_nodes(graph, param_names)
+    kept = SavedCounter(graph, rg)  # what autograd keeps for backward, op by op (cost/saved.py)
     by_tag: dict = {}
     for c in program.collectives:
         by_tag.setdefault(c.tag, []).append(c)
@@ -412,10 +415,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
                 c.copy_fwd_s = 2 * (fwd.bytes + out_bytes) / copy_bw
                 c.copy_bwd_s = 2 * (bwd.bytes + fwd.bytes) / copy_bw  # (+ copy_fwd_s again if regathered)
             c.buffer_bytes = max(in_bytes + out_bytes, (bwd.bytes if bwd else 0) + in_bytes)
-            cur.items.append(c)
-            if node in rg and not is_param:
-                cur.saved_bytes += out_bytes
-                _add(cur.saved_by_module, _module_of_local(node), out_bytes)
+            cur.items.append(c)  # (a collective's backward keeps nothing: its adjoint needs no values)
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
         att = (node.meta.get("autoshard") or {}).get("context")
@@ -426,7 +426,7 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
             pend[0] += t
             if node in rg:
                 pend[1] += tb
-                cur.saved_bytes += out_bytes
+                cur.saved_bytes += kept.add_rule(node, ATTENTION)
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
         if (node.meta.get("autoshard") or {}).get("vocab_parallel") is not None:
@@ -441,9 +441,10 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
         pend[0] += t
         if node in rg:
             pend[1] += bf * t
-            if node.target not in VIEW_OPS:
-                cur.saved_bytes += out_bytes
-                _add(cur.saved_by_module, _module_of_local(node), out_bytes)
+            n_kept = kept.add(node, out_bytes)
+            if n_kept:
+                cur.saved_bytes += n_kept
+                _add(cur.saved_by_module, _module_of_local(node), n_kept)
         if node.target not in VIEW_OPS:
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
     flush()

@@ -50,6 +50,7 @@ __all__ = ["PipelineEstimate", "PipelineDecision", "choose_pipeline", "stage_fra
            "estimate_pipeline"]
 
 SCHEDULE_ORDER = ("1f1b", "zero_bubble", "interleaved", "gpipe")  # ties: least activation memory first
+SPLIT_BACKWARD = ("zero_bubble",)  # schedules whose backward runs as B (inputs) and W (weights) actions
 
 
 @dataclass
@@ -270,6 +271,8 @@ def _best_estimate(inners, pp, axis, cm, frac, boundary, batch, schedules, micro
         split = math.prod(inner.mesh.axes[a] for a in (inner.layout.get("batch") or ()))
         ms = [microbatches] if microbatches else _microbatch_options(batch, split, pp)
         for sched in schedules:
+            if inner.cost.checkpoint and sched in SPLIT_BACKWARD:
+                continue  # a recomputed block differentiates its weights with its inputs: B and W not split
             for v in ([virtual or 2] if sched == "interleaved" else [1]):
                 if sched == "interleaved" and pp * v > n_blocks:
                     continue
@@ -332,7 +335,8 @@ def choose_pipeline(graph, inputs, info, automesh, axis: str, *, batch: int, con
         for relax in ((1, 2, 4, None) if memory_limit else (None,)):
             lim = memory_limit / frac * relax if relax else None
             try:
-                res = plan_search(graph, inputs, info, by_pp[pp], checkpoint=False, memory_limit=lim, **common)
+                # the inner plan may recompute activations (cost/recompute.py), priced per stage
+                res = plan_search(graph, inputs, info, by_pp[pp], checkpoint=checkpoint, memory_limit=lim, **common)
             except ValueError:
                 continue
             searched = True

@@ -46,6 +46,10 @@ def _program_cost(plan, program, zero_stage: int, data_axes) -> PlanCost:
     cap = plan.captured
     vals = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
     bucket_mb = plan.bucket_mb
-    fn = checkpointed_program_cost if plan.checkpoint else program_cost
+    kw = {}
+    if plan.checkpoint:  # recomputed blocks, by the plan's policy
+        fn, kw = checkpointed_program_cost, {"policy": plan.checkpoint_policy}
+    else:
+        fn = program_cost
     return fn(program, cap.inputs, vals, plan.mesh, _cost_model(plan), train=plan.train, zero_stage=zero_stage,
-              data_axes=data_axes, bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0)
+              data_axes=data_axes, bucket_bytes=int(bucket_mb * 2 ** 20) if bucket_mb else 0, **kw)

@@ -346,9 +346,9 @@ class SearchResult:
         return self.best.cost
 
     @property
-    def checkpoint(self) -> bool:
-        """Whether the best plan recomputes its repeated blocks in backward."""
-        return bool(self.best.cost.checkpoint)
+    def checkpoint(self):
+        """The recompute policy of the best plan (``"block"``, ``"selective"``), or False."""
+        return self.best.cost.checkpoint or False
 
 
 class SearchSpace:
@@ -771,7 +771,8 @@ class SearchSpace:
             # The same program as with release after forward, less the second gathers: the
             # rewrite differs only in which gathers it tags for release.
             segs = self.segments(Candidate(cand.axes, 3, True))
-            segs = [_without_regathers(sg) for sg in segs]
+            copies: dict = {}  # a repeated block stays one object (cost/recompute.py tells blocks apart so)
+            segs = [copies.setdefault(id(sg), _without_regathers(sg)) for sg in segs]
             self._segments[skey] = segs
             return segs
         layout = cand.layout(self.names, self.extra)
@@ -826,8 +827,8 @@ class SearchSpace:
         if not self._may_checkpoint(segs):
             return run(segs)
         # activation checkpointing (cost/recompute.py): on when only the recomputing plan fits
-        return checkpoint_choice(run(segs), lambda: run(checkpointed_segments(segs)), self.memory_limit,
-                                 self.checkpoint)[1]
+        options = {p: (lambda p=p: run(checkpointed_segments(segs, p, self.cm))) for p in ("selective", "block")}
+        return checkpoint_choice(run(segs), options, self.memory_limit, self.checkpoint)[1]
 
     def _may_checkpoint(self, segs) -> bool:
         return (self.train and self.checkpoint is not False and has_blocks(segs)

@@ -64,6 +64,7 @@ from autoshard.runtime.export import FORMAT, VERSION
 from autoshard.runtime.export.launcher import run_py_source
 
 from . import loss_count as LC
+from . import export_recompute
 
 from .buffers import RecomputeError, non_persistent_buffers, recompute_buffers
 from .dims import module_of, source_line
@@ -115,10 +116,11 @@ class _ProgramCodeGen(fx.graph.CodeGen):
     """FX's code generation, with collectives imported by their own names and a ``forward``
     whose parameters (one per line) say what each one is and which block a rank holds."""
 
-    def __init__(self, arg_comments: list, names: dict):
+    def __init__(self, arg_comments: list, names: dict, fn_name: str = "forward"):
         super().__init__()
         self.arg_comments = arg_comments
         self.names = names  # object -> the global name it should have
+        self.fn_name = fn_name
 
     def _gen_python_code(self, nodes, root_module, namespace, **kwargs):
         for obj, name in self.names.items():
@@ -127,9 +129,9 @@ class _ProgramCodeGen(fx.graph.CodeGen):
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, *, expanded_def=False):
         if not free_vars:
-            return "def forward():"
+            return f"def {self.fn_name}():"
         width = max(len(v) for v in free_vars) + 1
-        lines = ["def forward("]
+        lines = [f"def {self.fn_name}("]
         for var, comment in zip(free_vars, self.arg_comments):
             lines.append(f"    {(var + ','):<{width}}  # {comment}" if comment else f"    {var},")
         lines.append(f"){maybe_return_annotation}:")
@@ -162,8 +164,10 @@ def _arg_comment(inp, place, mesh) -> str:
 
 
 def generate_program(plan, inputs_meta: list) -> str:
-    """The per-rank program of ``plan`` as a standalone Python module (source text)."""
-    return generate_module(plan.graph_module, plan.mesh, inputs_meta, _program_header(plan))
+    """The per-rank program of ``plan`` as a standalone Python module (source text); with
+    activation recompute, its recomputed regions as functions of their own (export_recompute)."""
+    gm = plan.rank_spec().forward if getattr(plan, "checkpoint", None) else plan.graph_module
+    return generate_module(gm, plan.mesh, inputs_meta, _program_header(plan))
 
 
 def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optional[dict] = None) -> str:
@@ -181,6 +185,27 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
     val_map: dict = {}
     out = graph.graph_copy(gm.graph, val_map)
     graph.output(out)
+    # recomputed regions (passes/recompute.py) become functions of the file, called through
+    # the runtime's recompute (export_recompute.py)
+    regions = export_recompute.region_calls(gm, graph, _Literal)
+    pieces = [_module_body(sub, mesh, [], {}, name) for name, sub in regions]
+    main_globals, main_src = _module_body(None, mesh, inputs_meta, arg_notes, "forward", graph=graph)
+    globals_ = dict(main_globals)
+    for g, _ in pieces:
+        for name, obj in g.items():
+            if globals_.setdefault(name, obj) is not obj:
+                raise ExportError(f"program.py: the name {name!r} stands for two objects in its functions")
+    src = "\n\n".join([body for _, body in pieces] + [main_src])
+    collective_fns = {fn: fn.__name__ for fn in [*C.COLLECTIVES.values(), *C.PROGRAM_HELPERS]}
+    imports = _imports(globals_, src, collective_fns)
+    return header + imports + "\n\n" + src
+
+
+def _module_body(gm, mesh, inputs_meta: list, arg_notes: Optional[dict], fn_name: str, graph=None) -> tuple:
+    """``(globals, source)`` of one function ``fn_name`` generated from ``gm`` (or ``graph``)."""
+    if graph is None:
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
     device = _Literal("DEVICE")
 
     def swap_device(a):
@@ -192,7 +217,8 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap_device)
     # collectives (commented) and the runtime helpers programs call, imported by their names
     collective_fns = {fn: fn.__name__ for fn in [*C.COLLECTIVES.values(), *C.PROGRAM_HELPERS]}
-    names = {**collective_fns, varying_linears: varying_linears.__name__}  # the latter imported from its module
+    names = {**collective_fns, varying_linears: varying_linears.__name__,  # the latter imported from their modules
+             **{fn: fn.__name__ for fn in export_recompute.RUNTIME_FUNCTIONS}}
     by_name = {m["name"]: m for m in inputs_meta}
     place_by_name = {m["name"]: ownership.parse(m["placement"]) for m in inputs_meta if m.get("placement")}
     comments = []
@@ -201,11 +227,11 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
             m = by_name.get(node.name)
             comments.append(_arg_comment(m, place_by_name.get(node.name), mesh) if m
                             else (arg_notes or {}).get(node.name, ""))
-    graph.set_codegen(_ProgramCodeGen(comments, names))
+    graph.set_codegen(_ProgramCodeGen(comments, names, fn_name))
     code = graph.python_code("self")
     nodes = list(graph.nodes)
     lines = code.src.split("\n")
-    start = next(i for i, l in enumerate(lines) if l.startswith("def forward("))
+    start = next(i for i, l in enumerate(lines) if l.startswith(f"def {fn_name}("))
     body, seen, last_module = [], set(), None
     for i, line in enumerate(lines):
         if i < start:
@@ -230,8 +256,7 @@ def generate_module(gm, mesh, inputs_meta: list, header: str, arg_notes: Optiona
         body.append(line)
     src = "\n".join(body).rstrip() + "\n"
     src = re.sub(r"\btorch\.ops\.aten\.", "aten.", src)
-    imports = _imports(code.globals, src, collective_fns)
-    return header + imports + "\n\n" + src
+    return code.globals, src
 
 
 def _imports(globals_: dict, src: str, collective_fns: dict) -> str:
@@ -435,6 +460,9 @@ def plan_json(plan, inputs_meta, *, weights_file, checkpoint, has_inputs, refere
         "example_inputs": INPUTS if has_inputs else None,
         "reference": reference,
         "collectives": [_jsonable(c) for c in plan.collectives],
+        # activation recompute: which blocks, how (program.py calls them through the runtime's recompute)
+        "recompute": ({"policy": plan.checkpoint_policy, "blocks": list(plan.checkpoint)}
+                      if getattr(plan, "checkpoint", None) else None),
         "cost": cost,
     }
 

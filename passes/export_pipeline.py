@@ -49,9 +49,6 @@ def check_exportable(plan) -> None:
     if plan.pipe.loss_index is None and plan.train:
         raise ExportError("a pipelined training plan needs a loss output to export (the last stage seeds "
                           "backward with it); the model returns none")
-    if getattr(plan, "checkpoint", None):
-        raise ExportError("activation checkpointing is not supported in pipelined exports (stage programs are "
-                          "not cut into blocks)")
 
 
 def stage_sources(plan, inputs_meta: list) -> dict:
@@ -134,8 +131,13 @@ def pipeline_json(plan) -> dict:
                        "n_outputs": st.n_outputs,
                        "weight_groups": [[lo, hi, list(names)] for lo, hi, names in st.weight_groups],
                        "early_params": list(st.early_params), "params": list(st.params)})
+    try:  # predicted bytes per pipeline rank (run.py --memory compares with them)
+        memory = plan.stage_memory()
+    except Exception as e:  # noqa: BLE001 - the cost model is optional for running
+        memory = {"error": f"{type(e).__name__}: {e}"}
     return {
         "axis": pipe.axis,
+        "memory": memory,
         "schedule": plan.schedule_name,
         "microbatches": plan.microbatches,
         "virtual": plan.virtual,

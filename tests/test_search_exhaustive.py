@@ -55,11 +55,14 @@ def exhaustive_minimum(cap, info, mesh, cm, train, memory_limit):
                             data_axes=axes, bucket_bytes=space.bucket_bytes if space._bucketing(c.zero_stage, axes) else 0)
         n += 1
         if memory_limit is not None and cost.memory["peak"] > memory_limit and train:
-            # activation checkpointing is part of the space: a candidate over the limit may fit
-            # with its blocks recomputed (never faster, so only then)
-            cost = checkpointed_program_cost(program, cap.inputs, vals, mesh, cm, train=train, zero_stage=c.zero_stage,
-                                             data_axes=axes,
-                                             bucket_bytes=space.bucket_bytes if space._bucketing(c.zero_stage, axes) else 0)
+            # activation recompute is part of the space: a candidate over the limit may fit with
+            # its blocks recomputed (never faster, so only then), by the faster policy that fits
+            ck = [checkpointed_program_cost(program, cap.inputs, vals, mesh, cm, policy, train=train,
+                                            zero_stage=c.zero_stage, data_axes=axes,
+                                            bucket_bytes=space.bucket_bytes if space._bucketing(c.zero_stage, axes) else 0)
+                  for policy in ("selective", "block")]
+            fits = [k for k in ck if k.memory["peak"] <= memory_limit]
+            cost = min(fits, key=lambda k: k.step_time) if fits else ck[-1]
         if memory_limit is not None and cost.memory["peak"] > memory_limit:
             continue
         if best is None or cost.step_time < best[0]:

@@ -291,7 +291,8 @@ class PipelineRank:
         if spec.rank_spec.reshard_tags and train:
             current().reshard_tags = spec.rank_spec.reshard_tags
             reshard = reshard_after_forward()
-        with reshard:
+        tracker = current().saved_tracker if train else None
+        with reshard, tracker.hooks() if tracker is not None else contextlib.nullcontext():
             outs = list(st.forward(*args))
         state = {"inputs": inputs, "ys": outs[st.n_outputs:]}
         if a.stage == self.n_stages - 1:

@@ -46,6 +46,9 @@ def _parser():
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda (nccl) when available, else cpu (gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--memory", action="store_true",
+                   help="with --steps: measure each rank's peak of saved activations + parameters + gradients + "
+                        "optimizer state and print it next to the plan's prediction")
     p.add_argument("--timeline", help="a pipelined export: rank 0 writes the last step's measured actions of every "
                                       "rank here (Chrome / Perfetto trace JSON, one row per rank)")
     add_training_args(p)

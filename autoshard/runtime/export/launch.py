@@ -26,6 +26,7 @@ import torch.distributed as dist
 from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
 from autoshard.runtime.execution import shared_paths
+from autoshard.runtime.execution import step_memory
 from autoshard.runtime.transport.watchdog import Heartbeat
 
 from .block_check import block_args, group_report
@@ -207,6 +208,7 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
             f"microbatches per step")
     with rank_context(mesh, rank, backend):
         rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
+        meter = step_memory.watch(rp) if getattr(args, "memory", False) and train else None
         ctx["weights"] = None  # every rank has its blocks: the weights file's mapping goes
         if ctx["loop"]:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
@@ -219,6 +221,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
                             ref=ctx["ref"], rtol=args.rtol, atol=args.atol, say=say, nan_policy=args.nan_policy)
         if args.timeline:
             _pipeline().write_timeline(rp, args.timeline, say)
+        if meter is not None:
+            say(step_memory.report(meter, doc, mesh.coords(rank), lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)))
     if on_result is not None:
         on_result(res)
     if baseline is not None:  # the whole export's run (not the block check's): each rank's peak

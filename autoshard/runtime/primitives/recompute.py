@@ -27,10 +27,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from autoshard.runtime.primitives import collectives, overlap_linear, ring_attention
 from autoshard.runtime.transport.rank_context import current_or_none
 
 
@@ -105,12 +109,189 @@ class SavedBytes:
             yield self
 
 
-class _Recompute(torch.autograd.Function):
-    """Forward: the block under no_grad, saving only its tensor inputs. Backward: the block
-    again, with the forward's random state, then autograd through it."""
+# ---------------------------------------------------------------------------- selective recompute
+#
+# A selectively recomputed region calls the ops it keeps through keep(op, ...). In the region's
+# forward (no_grad) keep runs the op with autograd on detached inputs and keeps its output and
+# its autograd node; the node's saved tensors that are its inputs (a matmul's activation and
+# weight) are kept as references to "input i", not as tensors. When backward reruns the region,
+# keep does not run the op again: it returns the kept output through _Stitch, whose backward
+# differentiates the kept node with its input references resolved to the rerun's (recomputed,
+# bit-identical) input values. So only the ops keep is not called on are recomputed, and the
+# kept ops' inputs are not held between forward and backward unless they are the region's.
+
+_LOCAL = threading.local()  # the selective region running on this thread (simulated ranks are threads)
+_REF = object()
+
+
+def _kept_ops() -> dict:
+    """{name: function}: the runtime's own ops a selective region may keep by name (FX code
+    cannot print a function object as an argument); aten ops are passed themselves."""
+    fns = [f for f in vars(collectives).values() if callable(f) and getattr(f, "__module__", "") == collectives.__name__
+           and f.__name__ in collectives.ADJOINTS]
+    fns += [overlap_linear.varying_linears, ring_attention.ring_attention, ring_attention.allgather_attention]
+    return {f.__name__: f for f in fns}
+
+
+KEPT_BY_NAME: dict = {}
+
+
+def keepable_name(fn):
+    """The name under which :func:`keep` finds the runtime op ``fn``, or None if it cannot keep it."""
+    if not KEPT_BY_NAME:
+        KEPT_BY_NAME.update(_kept_ops())
+    name = getattr(fn, "__name__", None)
+    return name if KEPT_BY_NAME.get(name) is fn else None
+
+
+def _is_grad_tensor(a) -> bool:
+    return isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())
+
+
+class _Kept:
+    """One kept op of a selective region's forward: its outputs, autograd graph and inputs."""
+
+    __slots__ = ("leaves", "outs", "held", "spec", "rng", "now", "__weakref__")
+
+    def __init__(self):
+        self.now = None
+
+
+class _Selective:
+    """The state of one selective region: the ops kept in its forward, then replayed in order."""
+
+    def __init__(self, hooks):
+        self.kept, self.i, self.replaying = [], 0, False
+        self.inner_pack, self.inner_unpack = hooks if hooks is not None else (None, None)
+
+    def hold(self, t):
+        return self.inner_pack(t) if self.inner_pack is not None else t
+
+    def get(self, h):
+        return self.inner_unpack(h) if self.inner_unpack is not None else h
+
+    def record(self, op, args, kwargs):
+        if kwargs.get("consume"):  # a sum written into its input: autograd refuses it on a leaf
+            kwargs = {**kwargs, "consume": False}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        rec = _Kept()
+        rec.leaves = []
+        dflat = []
+        for a in flat:
+            if _is_grad_tensor(a):
+                d = a.detach().requires_grad_()
+                rec.leaves.append(d)
+                dflat.append(d)
+            else:
+                dflat.append(a)
+        by_storage = {}
+        for i, d in enumerate(rec.leaves):
+            by_storage.setdefault(d.untyped_storage().data_ptr(), i)
+
+        # the hooks live in the kept graph, which the record holds: they reach it weakly (no cycle)
+        wrec, offsets = weakref.ref(rec), [d.storage_offset() for d in rec.leaves]
+        inner_pack, inner_unpack = self.inner_pack, self.inner_unpack
+
+        def pack(t):
+            i = by_storage.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
+            if i is not None:  # an input: recomputed (or the region's own) in backward, not held
+                return (_REF, i, t.size(), t.stride(), t.storage_offset() - offsets[i])
+            return (None, inner_pack(t) if inner_pack is not None else t)
+
+        def unpack(h):
+            if h[0] is not _REF:
+                return inner_unpack(h[1]) if inner_unpack is not None else h[1]
+            a = wrec().now[h[1]]
+            if a.size() == h[2] and a.stride() == h[3] and h[4] == 0:
+                return a
+            return a.as_strided(h[2], h[3], a.storage_offset() + h[4])
+
+        a2, k2 = pytree.tree_unflatten(dflat, spec)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = op(*a2, **k2)
+        outs, rec.spec = pytree.tree_flatten(out)
+        rec.outs = outs
+        rec.held = [self.hold(o.detach()) if isinstance(o, torch.Tensor) else o for o in outs]
+        rec.rng = torch.get_rng_state()  # ops kept may draw (attention dropout): the rerun skips them
+        self.kept.append(rec)
+        return pytree.tree_unflatten([o.detach() if isinstance(o, torch.Tensor) else o for o in outs], rec.spec)
+
+    def replay(self, args, kwargs):
+        rec = self.kept[self.i]
+        self.i += 1
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        tensors = [a for a in flat if _is_grad_tensor(a)]
+        outs = _Stitch.apply(rec, self, *tensors)
+        torch.set_rng_state(rec.rng)
+        return pytree.tree_unflatten(list(outs), rec.spec)
+
+
+class _Stitch(torch.autograd.Function):
+    """Forward: a kept op's output, unchanged (nothing computed). Backward: the kept autograd
+    node of that op, differentiated with its inputs read from this rerun's values."""
 
     @staticmethod
-    def forward(ctx, fn, n_out_hint, *args):
+    def forward(ctx, rec, sel, *tensors):
+        ctx.rec = rec
+        ctx.save_for_backward(*tensors)
+        outs = tuple(sel.get(h) if isinstance(o, torch.Tensor) else o for o, h in zip(rec.outs, rec.held))
+        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not _is_grad_tensor(o)])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rec = ctx.rec
+        rec.now = ctx.saved_tensors
+        pairs = [(o, g) for o, g in zip(rec.outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        got = [None] * len(rec.leaves)
+        if pairs:
+            got = torch.autograd.grad([o for o, _ in pairs], rec.leaves, [g for _, g in pairs], allow_unused=True)
+        rec.now = rec.outs = rec.leaves = rec.held = None  # differentiated once: free it now
+        return (None, None, *got)
+
+
+def keep(op, *args, **kwargs):
+    """``op(*args, **kwargs)``, kept (not recomputed) when it runs in a selectively recomputed
+    region (:func:`recompute` with ``selective=True``); ``op`` is an aten op or the name of a
+    runtime op (``"all_reduce"``). Outside such a region it just runs the op.
+
+    Example::
+
+        def mlp(x, w1, w2):                       # pointwise ops recomputed, matmuls kept
+            return (keep(torch.ops.aten.linear.default, torch.relu(keep(torch.ops.aten.linear.default, x, w1)), w2),)
+        y, = recompute(mlp, x, w1, w2, selective=True)
+    """
+    if isinstance(op, str):
+        keepable_name(None)  # fills KEPT_BY_NAME once
+        fn = KEPT_BY_NAME[op]
+    else:
+        fn = op
+    sel = getattr(_LOCAL, "region", None)
+    if sel is None:
+        return fn(*args, **kwargs)
+    if sel.replaying:
+        return sel.replay(args, kwargs)
+    return sel.record(fn, args, kwargs)
+
+
+@contextlib.contextmanager
+def _region(sel):
+    prev = getattr(_LOCAL, "region", None)
+    _LOCAL.region = sel
+    try:
+        yield
+    finally:
+        _LOCAL.region = prev
+
+
+class _Recompute(torch.autograd.Function):
+    """Forward: the block under no_grad, saving only its tensor inputs. Backward: the block
+    again, with the forward's random state, then autograd through it. ``selective``: the ops
+    the block calls through :func:`keep` are kept in forward, not run again."""
+
+    @staticmethod
+    def forward(ctx, fn, selective, *args):
         ctx.fn = fn
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = (torch.cuda.get_rng_state_all()
@@ -121,7 +302,9 @@ class _Recompute(torch.autograd.Function):
         ctx.save_for_backward(*[args[i] for i in ctx.tensor_at])
         rctx = current_or_none()
         ctx.tracker = getattr(rctx, "saved_tracker", None) if rctx is not None else None
-        outs = tuple(fn(*args))
+        ctx.sel = _Selective(torch._C._autograd._top_saved_tensors_default_hooks(False)) if selective else None
+        with _region(ctx.sel) if selective else contextlib.nullcontext():
+            outs = tuple(fn(*args))
         ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor)
                                       and not (o.is_floating_point() or o.is_complex())])
         return outs
@@ -139,7 +322,9 @@ class _Recompute(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(ctx.cuda_rng)
             track = ctx.tracker.hooks() if ctx.tracker is not None else contextlib.nullcontext()
-            with torch.enable_grad(), track:
+            if ctx.sel is not None:
+                ctx.sel.replaying, ctx.sel.i = True, 0
+            with torch.enable_grad(), track, _region(ctx.sel) if ctx.sel is not None else contextlib.nullcontext():
                 outs = tuple(ctx.fn(*args))
         pairs = [(o, g) for o, g in zip(outs, grads)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
@@ -149,12 +334,17 @@ class _Recompute(torch.autograd.Function):
         out = [None] * len(ctx.others)
         for i in ctx.tensor_at:
             out[i] = next(got)
+        for rec in ctx.sel.kept if ctx.sel is not None else ():
+            rec.outs = rec.leaves = rec.held = None  # the kept ops' outputs and graphs go now
+        ctx.sel = None
         return (None, None, *out)
 
 
-def recompute(fn, *args) -> tuple:
+def recompute(fn, *args, selective: bool = False) -> tuple:
     """``fn(*args)`` (a tuple of outputs) without keeping ``fn``'s intermediate values for
-    backward: they are recomputed when backward reaches this call.
+    backward: they are recomputed when backward reaches this call. ``selective=True``: what
+    ``fn`` computes through :func:`keep` is kept instead (its outputs and what its autograd
+    needs besides its inputs), the rest recomputed.
 
     Example::
 
@@ -163,17 +353,28 @@ def recompute(fn, *args) -> tuple:
     """
     if not torch.is_grad_enabled():
         return tuple(fn(*args))
-    return _Recompute.apply(fn, None, *args)
+    return _Recompute.apply(fn, selective, *args)
+
+
+def recompute_selective(fn, *args) -> tuple:
+    """:func:`recompute` with ``selective=True`` (what an exported program calls).
+
+    Example::
+
+        h, = recompute_selective(block, x, w)  # block's keep(...) ops are not run again
+    """
+    return recompute(fn, *args, selective=True)
 
 
 class Recomputed(nn.Module):
     """A block of the program run through :func:`recompute` (what the checkpointing pass
-    calls in place of the block's code)."""
+    calls in place of the block's code); ``selective``: its :func:`keep` ops are kept."""
 
-    def __init__(self, block: nn.Module, name: str = ""):
+    def __init__(self, block: nn.Module, name: str = "", selective: bool = False):
         super().__init__()
         self.block = block
         self.name = name
+        self.selective = selective
 
     def forward(self, *args):
-        return recompute(self.block, *args)
+        return recompute(self.block, *args, selective=self.selective)
