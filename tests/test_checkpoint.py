@@ -14,6 +14,7 @@ from autoshard.runtime.primitives.recompute import SavedBytes, recompute
 
 from examples.models import llama_tiny
 from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.recompute import measure
 
 DP = ({"dp": 2}, {"batch": "dp"})
 DPTP = ({"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"})
@@ -22,29 +23,6 @@ DPTP = ({"dp": 2, "tp": 2}, {"batch": "dp", "heads": "tp", "ffn": "tp"})
 def plan_for(model, args, dims, mesh, layout, stage=0, reshard=None, **kw):
     return autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=dims, layout=layout, train=True,
                                zero_stage=stage, reshard_after_forward=reshard, **kw)
-
-
-def measure(plan, args, steps=2):
-    """Per rank: the largest (saved activations + held state) over ``steps`` AdamW steps,
-    the peak saved-activation bytes alone, and the trace."""
-    def fn(rank):
-        local = plan.build(rank)
-        opt = plan.optimizer(local, torch.optim.AdamW, lr=1e-3)
-        tracker = SavedBytes(exclude=list(local.parameters()) + list(local.buffers()))
-        current().saved_tracker = tracker
-        worst = acts = 0
-        for _ in range(steps):
-            tracker.peak = tracker.live
-            local(*args).backward()
-            held = local.held_bytes()
-            # gradients are counted whole for the whole step: an upper bound of the moment
-            worst = max(worst, tracker.peak + held["params"] + held["grads"] + opt.state_bytes())
-            acts = max(acts, tracker.peak)
-            opt.step()
-            opt.zero_grad()
-        assert tracker.live == 0  # backward freed every saved tensor, the tracker saw it
-        return worst, acts, list(current().trace)
-    return run_simulated(plan.mesh, fn)
 
 
 def test_recompute_function_is_exact_and_saves_only_inputs():

@@ -93,7 +93,7 @@ def test_program_is_a_plain_module_with_named_imports(exports):
     src = (path / "program.py").read_text()
     assert "from autoshard.runtime.primitives.collectives import all_reduce, mark_varying" in src
     assert "aten = torch.ops.aten" in src and "torch.ops.aten." not in src
-    assert "autoshard_runtime_collectives" not in src and not re.search(r"^\s+self,", src, re.M)
+    assert "autoshard_runtime_primitives_collectives" not in src and not re.search(r"^\s+self,", src, re.M)
     # one parameter per program input, in placeholder order, each with its owner
     header = src.split("def forward(\n")[1].split("\n):")[0].splitlines()
     names = [l.split(",")[0].strip() for l in header]

@@ -15,8 +15,7 @@ import autoshard
 from autoshard import Mesh
 from autoshard.passes.export import torchrun_command
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
+from examples.models import llama_tiny
 
 TIMEOUT = 300
 

@@ -205,7 +205,7 @@ def test_canonical_text_is_independent_of_the_run():
     # another process, with another string hash seed (so another set iteration order), writes the
     # same text; and the text holds no address and no path of this checkout
     here = program_hash("zero3")[1]
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_program_hash as t; "
+    code = ("import sys; from tests import test_program_hash as t; "
             "sys.stdout.write(t.program_hash('zero3')[1])")
     root = Path(__file__).resolve().parent.parent
     other = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,

@@ -19,10 +19,9 @@ from autoshard import Mesh
 from autoshard.cost.model import activations_by_module, program_events, resolve_cost_model
 from autoshard.runtime.primitives.recompute import SavedBytes, keep, recompute, recompute_selective
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.models import llama_tiny  # noqa: E402
-from exactness import assert_training_within_spread  # noqa: E402
-from test_checkpoint import measure  # noqa: E402
+from examples.models import llama_tiny
+from tests.helpers.exactness import assert_training_within_spread
+from tests.helpers.recompute import measure
 
 LIN = torch.ops.aten.linear.default
 

@@ -72,14 +72,14 @@ def test_tp4_gathers_once_for_whole_kv_projections():
     code = plan.graph_module.code
     # one replicated read per block, shared by k_proj and v_proj, and one for the logits (the
     # shift slices seq, so the loss reads them whole)
-    assert code.count("= autoshard_runtime_collectives_replicated_use(") == 3
+    assert code.count("= autoshard_runtime_primitives_collectives_replicated_use(") == 3
     for b in range(2):
         for proj in ("k_proj", "v_proj"):
             line = next(ln for ln in code.splitlines() if f"p_layers_{b}_self_attn_{proj}_weight)" in ln)
             assert "linear.default(replicated_use" in line, line
     # 2 per block + logits; the MLP's, read only by linears, fused with them (overlap_linear)
-    fused = [ln for ln in code.splitlines() if "= autoshard_runtime_overlap_linear_varying_linears(" in ln]
-    assert code.count("= autoshard_runtime_collectives_all_gather_varying(") + len(fused) == 5
+    fused = [ln for ln in code.splitlines() if "= autoshard_runtime_primitives_overlap_linear_varying_linears(" in ln]
+    assert code.count("= autoshard_runtime_primitives_collectives_all_gather_varying(") + len(fused) == 5
     assert len(fused) == 2 and all("gather_dim = 1" in ln for ln in fused), fused
 
 
