@@ -84,7 +84,8 @@ def kv_cache_bytes(tokens: float, *, layers: int, kv_heads: int, head_dim: int,
 
 def activation_bytes(*, batch: float, seq: float, hidden: float, heads: float, layers: float,
                      n_hidden: float, n_score: float = 0, dtype_bytes: float = 2) -> float:
-    """Saved-activation estimate ``L*b*(n_hidden*B*T*d + n_score*B*H*T^2)`` (seed 003, 13.5.2).
+    """Saved-activation estimate ``L*b*(n_hidden*B*T*d + n_score*B*H*T^2)`` (a per-layer count of saved
+    [B,T,d] and [B,H,T,T] tensors, as in Korthikanti et al., 2022).
 
     ``n_hidden`` / ``n_score`` are how many hidden-sized ([B,T,d]) and attention-matrix-sized
     ([B,H,T,T]) tensors each layer saves; they depend on the implementation (a fused

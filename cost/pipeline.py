@@ -1,10 +1,10 @@
 """Pipeline bubble: fill/drain idle time of GPipe, 1F1B and interleaved schedules.
 
-First-order model (balanced stages, equal micro-batch times, free transfers). Seed 000 asks
-to keep two quantities apart:
+First-order model (balanced stages, equal micro-batch times, free transfers). Two quantities are
+kept apart:
 
 * :func:`bubble_fraction` - idle fraction of *elapsed* capacity,
-  ``(p-1) / (v*m + p-1)`` (seed 003, eq. 13.1 with ``v=1``);
+  ``(p-1) / (v*m + p-1)`` (GPipe's bubble, Huang et al., 2019, with ``v=1``);
 * :func:`bubble_overhead` - idle time *relative to useful work*, ``(p-1) / (v*m)``
   (the form Megatron-LM's interleaving paper reports).
 

@@ -1,6 +1,6 @@
 """Pipeline degree search: whether ``Mesh.auto(n, ("pp", ...))`` splits the layer sequence, and how.
 
-Policy (the issue's "pp > 1 when state does not fit otherwise"): pipelining costs a bubble,
+Policy (pp > 1 only when the state does not fit otherwise): pipelining costs a bubble,
 boundary transfers and activations held across microbatches, so the planner first searches the
 meshes with ``pp = 1`` (:func:`autoshard.cost.search.plan_search`, every other axis and the
 ZeRO stage open). Only when no such plan fits ``memory_limit`` does it try ``pp = 2, 4, ...``

@@ -1,6 +1,6 @@
 """Activation checkpointing as a memory lever: what recomputing each repeated block in
-backward saves in memory and costs in time (seed 003: checkpointing trades one more forward
-of the blocks for their activations), by policy (``autoshard.passes.recompute.POLICIES``).
+backward saves in memory and costs in time (checkpointing trades one more forward of the
+blocks for their activations: Chen et al., 2016), by policy (``autoshard.passes.recompute.POLICIES``).
 
 With every block checkpointed (``autoshard.passes.recompute``), a block keeps only its inputs
 (``Segment.boundary_bytes``: activations made before it, each counted once) between forward

@@ -602,7 +602,7 @@ def test_a_token_outside_the_vocabulary_stops_every_rank_with_one_line(export_di
 def test_training_runs_end_without_an_abort(tmp_path):
     """Ranks leave the process group together: `--steps 2` without --check exits 0, never with
     "terminate called without an active exception" (SIGABRT). CI runs 3 two-process jobs;
-    AUTOSHARD_SHUTDOWN_RUNS=20 AUTOSHARD_SHUTDOWN_NPROC=4 is the issue's full check."""
+    AUTOSHARD_SHUTDOWN_RUNS=20 AUTOSHARD_SHUTDOWN_NPROC=4 is the full check."""
     from examples.models import llama_tiny
 
     runs = int(os.environ.get("AUTOSHARD_SHUTDOWN_RUNS", "3"))

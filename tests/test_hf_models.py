@@ -28,7 +28,7 @@ from autoshard.passes.experts import MoEWarning
 from tests.helpers import hf_zoo
 from tests.helpers.hf_zoo import ARCHS, ZOO, TOKENS as TOKEN_DIMS
 
-# Every architecture of the list; the first eleven are the ones the acceptance names.
+# Every architecture of the zoo; the first eleven are the most used decoders and encoders.
 EXACT = ["llama", "qwen3", "gemma2", "phi3", "gpt_neox", "gpt2", "bert", "t5", "vit", "mixtral", "qwen2_moe",
          "mistral", "qwen2", "gemma", "gemma3", "phi", "opt", "olmoe"]
 

@@ -135,7 +135,7 @@ def test_write_is_exact(family, d):
 
 
 class CloneWrite(nn.Module):
-    """The issue's reproducer: ``y = x.clone(); y[0] = 0`` under plain data parallelism."""
+    """The smallest reproducer: ``y = x.clone(); y[0] = 0`` under plain data parallelism."""
 
     def __init__(self):
         super().__init__()

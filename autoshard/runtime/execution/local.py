@@ -348,8 +348,8 @@ class ShardedOptimizer:
 def predicted_state_bytes(spec: RankSpec, optimizer_states: int = 2) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank holds under ``spec``, from
     placements alone: ``optimizer_states`` per-element buffers (2 for Adam/AdamW, 1 for SGD
-    with momentum); 16-bit parameters add an fp32 master copy and keep fp32 state (the seed's
-    2 + 2 + 12 bytes per parameter for bf16 with Adam)."""
+    with momentum); 16-bit parameters add an fp32 master copy and keep fp32 state (ZeRO's
+    accounting, Rajbhandari et al., 2020: 2 + 2 + 12 bytes per parameter for bf16 with Adam)."""
     mesh = spec.mesh
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for slot in spec.slots:
