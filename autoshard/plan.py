@@ -20,7 +20,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from .mesh import Mesh
-from .options import Options
+from .options import Options, parse_bytes
 from .ownership import assemble, describe, local_shape
 from .runtime import run_simulated
 from autoshard.runtime.execution import checkpoint as dist_checkpoint
@@ -527,6 +527,8 @@ class Plan:
         """
         if args is None and kwargs is None and self.example_inputs is not None:
             args, kwargs = self.example_inputs
+        if options.get("check_budget") is not None:  # bytes, or "2GB" / "2 GiB"
+            options["check_budget"] = int(parse_bytes(options["check_budget"]))
         out = export_plan(self, path, args, kwargs, **options)
         for hook in EXPORT_HOOKS:  # e.g. the block check of a model over the check budget
             hook(self, out, options)

@@ -74,7 +74,7 @@ def test_a_meta_model_gets_random_weights_and_its_own_rotary_buffers():
 
 def test_an_export_over_the_check_budget_carries_the_checked_model(tmp_path):
     plan = _plan(_llama(False))
-    out = plan.export(tmp_path / "x", check_budget=1024)
+    out = plan.export(tmp_path / "x", check_budget="1KB")
     doc = json.loads((out / "plan.json").read_text())
     assert doc["reference"] is None and "check budget" in doc["missing"]["reference"]
     entry = doc["block_check"]
