@@ -117,6 +117,13 @@ def block_region(shape, place, mesh, rank: int):
     return offsets, sizes
 
 
+def held_region(shape, place, mesh, rank: int):
+    """:func:`block_region`, with an empty region (no rows) where ``rank`` holds nothing (an
+    Owned axis), so a reader reads a block of the right rank and dtype either way."""
+    region = block_region(shape, place, mesh, rank)
+    return region if region is not None else ([0] * len(shape), [0] + list(shape[1:]))
+
+
 def _narrow(region, dim: int, start: int, length: int):
     offsets, sizes = list(region[0]), list(region[1])
     offsets[dim] += start

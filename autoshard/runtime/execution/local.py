@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -107,11 +108,21 @@ class SliceSource:
 
     shape: tuple = ()
     dtype: torch.dtype = torch.float32
+    convert = None  # the dtype a read block is cast to (the plan's, where the source's differs)
     is_meta = False
 
     def local_piece(self, place, mesh, rank: int) -> torch.Tensor:
         """The block ``rank`` holds under ``place`` (:func:`autoshard.ownership.local_piece`'s)."""
         raise NotImplementedError
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def as_dtype(self, dtype) -> "SliceSource":
+        """The same source, its blocks cast to ``dtype`` as they are read."""
+        other = copy.copy(self)
+        other.dtype = other.convert = dtype
+        return other
 
 
 class LocalModule(nn.Module):

@@ -54,16 +54,8 @@ class DcpTensor(SliceSource):
     def __init__(self, source: "_Source", key: str, shape, dtype, convert=None):
         self.source, self.key, self.shape, self.dtype, self.convert = source, key, tuple(shape), dtype, convert
 
-    def as_dtype(self, dtype) -> "DcpTensor":
-        return DcpTensor(self.source, self.key, self.shape, dtype, convert=dtype)
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
     def local_piece(self, place, mesh, rank: int) -> torch.Tensor:
-        region = ckpt.block_region(self.shape, place, mesh, rank)
-        if region is None:  # an Owned axis: this rank holds none of it
-            region = [0] * len(self.shape), [0] + list(self.shape[1:])
+        region = ckpt.held_region(self.shape, place, mesh, rank)
         piece = self.source.read(self.key, self.shape, region)
         return piece.to(self.convert) if self.convert is not None else piece
 

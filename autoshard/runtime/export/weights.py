@@ -53,17 +53,9 @@ class SafetensorsTensor(SliceSource):
     def __init__(self, file: Path, key: str, shape, dtype, convert=None):
         self.file, self.key, self.shape, self.dtype, self.convert = file, key, tuple(shape), dtype, convert
 
-    def as_dtype(self, dtype) -> "SafetensorsTensor":
-        return SafetensorsTensor(self.file, self.key, self.shape, dtype, convert=dtype)
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
     def local_piece(self, place, mesh, rank: int) -> torch.Tensor:
         from safetensors import safe_open  # only where a safetensors source is read
-        region = ckpt.block_region(self.shape, place, mesh, rank)
-        if region is None:  # an Owned axis: this rank holds none of it
-            region = [0] * len(self.shape), [0] + list(self.shape[1:])
+        region = ckpt.held_region(self.shape, place, mesh, rank)
         index = tuple(slice(o, o + n) for o, n in zip(*region))
         with safe_open(str(self.file), framework="pt") as f:
             piece = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
