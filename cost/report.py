@@ -170,6 +170,9 @@ def explain(plan) -> str:
     if res.memory_limit is not None and res.infeasible:
         lines.append(f"{res.infeasible} candidates exceed memory_limit {gb(res.memory_limit)} per rank (their state "
                      f"and activations alone, or their evaluated peak).")
+    elif res.memory_limit is not None:  # every candidate over it was ruled out by its bound first
+        lines.append(f"This plan peaks at {gb(cost.memory['peak'])} per rank, within memory_limit "
+                     f"{gb(res.memory_limit)}.")
     if getattr(res, "best_infeasible", None) is not None and res.memory_limit is not None:
         bi = res.best_infeasible
         lines.append(f"The fastest of those evaluated ({describe_layout(bi.layout, _mesh_of(bi, res))}"

@@ -948,10 +948,11 @@ class SearchSpace:
         split it)."""
         st = self._bound_state(cand)
         _, saved, biggest = self._bounds(cand)
-        if self.train and self.checkpoint is not False:
-            return st["total"]  # checkpointing may drop most activations: state alone bounds the peak
         if self.train:
-            return st["total"] + saved
+            # state alone: the cost model counts the activations autograd keeps (cost/saved.py),
+            # fewer than every op's output, which is what the ops-based estimate here would add
+            # (and checkpointing may drop most of them)
+            return st["total"]
         return st["params"] + st.get("buffers", 0.0) + 2 * biggest
 
     # ------------------------------------------------------------------ communication bound

@@ -239,6 +239,10 @@ def fault_worker(rank, world, name, victim, phase, how):
     import signal
     import torch.distributed as dist
 
+    # Python raises KeyboardInterrupt on SIGINT only where SIGINT was not ignored when it started
+    # (a job started in the background inherits SIG_IGN): the handler a terminal's Ctrl-C meets
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def fault(call):
         if call != phase or rank != victim:
             return
