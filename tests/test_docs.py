@@ -135,21 +135,28 @@ def test_machine_path_pattern():
         assert not MACHINE_PATH.search(fine), fine
 
 
-def test_no_machine_paths_in_tracked_files():
+def tracked_lines_matching(pattern, skip=()) -> list:
+    """``name:line: text`` for every line of a tracked text file (but ``skip``) that ``pattern``
+    finds; skips the test outside a git checkout (no list of tracked files)."""
     if not in_git_checkout():
         pytest.skip("not a git checkout: no list of tracked files")
     hits = []
     for name in git("ls-files", "-z").stdout.split("\0"):
         path = ROOT / name
-        if not name or not path.is_file():
+        if not name or not path.is_file() or name in skip:
             continue
         try:
             text = path.read_text()
         except (UnicodeDecodeError, OSError):
             continue  # binary
         for n, line in enumerate(text.splitlines(), 1):
-            if MACHINE_PATH.search(line):
+            if pattern.search(line):
                 hits.append(f"{name}:{n}: {line.strip()[:100]}")
+    return hits
+
+
+def test_no_machine_paths_in_tracked_files():
+    hits = tracked_lines_matching(MACHINE_PATH)
     assert not hits, "absolute paths of this machine:\n" + "\n".join(hits)
 
 
@@ -164,19 +171,6 @@ def test_seed_citation_pattern():
 
 
 def test_no_citations_of_texts_outside_the_repository():
-    if not in_git_checkout():
-        pytest.skip("not a git checkout: no list of tracked files")
-    hits = []
-    for name in git("ls-files", "-z").stdout.split("\0"):
-        path = ROOT / name
-        if not name or not path.is_file() or name == "tests/test_docs.py":
-            continue
-        try:
-            text = path.read_text()
-        except (UnicodeDecodeError, OSError):
-            continue  # binary
-        for n, line in enumerate(text.splitlines(), 1):
-            if SEED_CITATION.search(line):
-                hits.append(f"{name}:{n}: {line.strip()[:100]}")
+    hits = tracked_lines_matching(SEED_CITATION, skip=("tests/test_docs.py",))
     assert not hits, ("citations of texts that are not in the repository (name the formula or paper):\n"
                       + "\n".join(hits))
