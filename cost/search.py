@@ -61,7 +61,7 @@ from autoshard.passes.dims import infer_dims, module_of
 from autoshard.passes.program import build_program, choose_storage
 from autoshard.passes.soft import SOFT_MARK, is_soft, soft_layout_value
 from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, input_placements, lazy_programs,
-                                  requires_grad_nodes, resolve_layout, rewrite)
+                                  requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
 
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
@@ -414,6 +414,7 @@ class SearchSpace:
         self._segments: dict = {}
         self._lb_cache: dict = {}
         self._places: dict = {}
+        self._full_states: dict = {}  # (axes, stage, release) -> _full_state's tuple
         self._state: dict = {}
         self._nu: dict = {}
         self._cands = None
@@ -748,8 +749,18 @@ class SearchSpace:
                                                  Mesh({"axis": 1})).items()})
 
     def _full_state(self, cand: Candidate):
-        """Placements, storage and data axes of the whole graph (no rewrite needed)."""
-        places, axes = self._placed(cand)
+        """Placements, storage and data axes of the whole graph (no rewrite needed). Cached by
+        what they depend on: the axes, and the stage and release flag where they choose a storage
+        (the bounds ask for it for every candidate they refine)."""
+        places, axes = self._placed(cand)  # (raises LayoutError for a stage without a data axis)
+        key = (cand.axes, cand.zero_stage if cand.zero_stage >= 2 else 0,
+               bool(cand.reshard) if cand.zero_stage == 3 else None)
+        got = self._full_states.get(key)
+        if got is None:
+            got = self._full_states[key] = self._make_full_state(cand, places, axes)
+        return got
+
+    def _make_full_state(self, cand: Candidate, places, axes):
         storage = {}
         if cand.zero_stage >= 2:
             params = {n: self.vals[n] for n in self._st_grad}
@@ -1337,7 +1348,8 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     t0 = time.perf_counter()
     # The search reads the rewritten graphs, never runs them: their GraphModules generate
     # and compile Python code only if called (a third of a rewrite's time otherwise).
-    with _collector_paused(), warnings.catch_warnings(), lazy_programs():
+    # The captured graphs are only read: the rewrite derives its per-graph node sets once.
+    with _collector_paused(), warnings.catch_warnings(), lazy_programs(), unchanged_graphs():
         # ops without a rule warn once, when the chosen plan is built, not per candidate
         warnings.simplefilter("ignore", UnsupportedOpWarning)
         return _search(space, keep, progress, verbose, refine, incumbent, t0)

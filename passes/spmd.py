@@ -27,6 +27,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import warnings
@@ -215,7 +216,7 @@ class _Rewriter:
         self.rg = requires_grad
         # Values computed from a user input (the batch): their gradient differs per microbatch,
         # so a data-axis sum of it may not be held for a later microbatch (LocalModule.no_sync).
-        self.from_user = depends_on(graph, set(user_inputs))
+        self.from_user = _memo_nodes(graph, "depends_on", set(user_inputs), depends_on)
         self.data_axes = frozenset(data_axes)  # the axes that split a user input
         self.g = _CollectivesOnly() if collectives_only else fx.Graph()
         self.local: dict = {}  # node -> new node
@@ -740,9 +741,48 @@ class _Rewriter:
 SIZE_ARG = {aten.expand.default: 1}
 
 
+# Inside unchanged_graphs(): {(id(graph), what, names): (graph, frozen set of nodes)}; None outside
+_graph_memo: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def unchanged_graphs():
+    """Context in which the captured graphs given to :func:`rewrite` are not edited, so the
+    node sets it derives from a graph and a set of input names (:func:`requires_grad_nodes`,
+    :func:`depends_on`) are computed once per graph by the rewrite: the layout search rewrites one graph
+    hundreds of times. Nested uses share the outer memo.
+
+    Example::
+
+        >>> with unchanged_graphs():                                        # doctest: +SKIP
+        ...     programs = [rewrite(graph, info, layout, mesh, grad) for layout in layouts]
+    """
+    global _graph_memo
+    if _graph_memo is not None:
+        yield
+        return
+    _graph_memo = {}
+    try:
+        yield
+    finally:
+        _graph_memo = None
+
+
+def _memo_nodes(graph: fx.Graph, what: str, names, fn):
+    if _graph_memo is None:
+        return fn(graph, names)
+    key = (id(graph), what, frozenset(names))
+    got = _graph_memo.get(key)
+    if got is None or got[0] is not graph:  # (the graph is kept alive with it: its id is not reused)
+        got = _graph_memo[key] = (graph, frozenset(fn(graph, names)))
+    return got[1]
+
+
 def depends_on(graph: fx.Graph, names: set) -> set:
     """Nodes computed from the placeholders named in ``names`` (those included)."""
     out = set()
+    if not names:  # (input_placements makes a rewriter with none: no walk over the graph)
+        return out
     for node in graph.nodes:
         if (node.op == "placeholder" and node.name in names) or any(a in out for a in node.all_input_nodes):
             out.add(node)
@@ -802,7 +842,7 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     stops a one-axis rewrite once what it has emitted already bounds the candidates out)."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
-    rg = requires_grad_nodes(graph, grad_inputs)
+    rg = _memo_nodes(graph, "requires_grad", grad_inputs, requires_grad_nodes)
     rewriter = _Rewriter(graph, info, layout, mesh, rg, display or {}, storage or {}, bucket_axis,
                          bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs, data_axes)
     if collectives is not None:
