@@ -140,10 +140,28 @@ def _coll_seconds(hw: Hardware, items: tuple, kind: str, axes: tuple, input_byte
     return collective_time(kind, payload_bytes(kind, input_bytes, ranks), ranks, link)
 
 
+# id(hardware) -> (hardware, {(mesh items, kind, axes, input bytes): seconds}): collective_seconds
+# is asked hundreds of thousands of times in a search, and hashing the Hardware (a nested
+# dataclass) for _coll_seconds' cache cost more than the formula
+_COLL_MEMO: dict = {}
+
+
 def collective_seconds(cm: CostModel, mesh, kind: str, axes: tuple, input_bytes: float) -> float:
     """Seconds of one collective over ``axes`` of ``mesh`` whose local input has ``input_bytes``
     (the slowest link the group spans; ring volumes and latency steps of ``cost.comm``)."""
-    t = _coll_seconds(cm.hardware, _items(mesh), kind, tuple(axes), float(input_bytes))
+    hw = cm.hardware
+    entry = _COLL_MEMO.get(id(hw))
+    if entry is None or entry[0] is not hw:
+        if len(_COLL_MEMO) >= 64:
+            _COLL_MEMO.clear()
+        entry = _COLL_MEMO[id(hw)] = (hw, {})  # (kept alive with it: its id is not reused)
+    memo = entry[1]
+    key = (_items(mesh), kind, tuple(axes), float(input_bytes))
+    t = memo.get(key)
+    if t is None:
+        if len(memo) >= 1 << 16:
+            memo.clear()
+        t = memo[key] = _coll_seconds(hw, *key)
     if cm.collective_factors and t:
         t *= dict(cm.collective_factors).get(kind, 1.0)
     return t
@@ -627,17 +645,32 @@ def simulate(segments, mesh, cm: CostModel, *, train: bool, state: dict, opt_col
         if t_end <= tc:
             return
         lo = tc
-        for s_, e_, key in queue + ([own] if own is not None else []):
+        for s_, e_, key in queue:
+            a, b = max(lo, s_), min(t_end, e_)
+            if b > a:
+                exposed[key] = exposed.get(key, 0.0) + (b - a)
+        if own is not None:
+            s_, e_, key = own
             a, b = max(lo, s_), min(t_end, e_)
             if b > a:
                 exposed[key] = exposed.get(key, 0.0) + (b - a)
         tc = t_end
 
     def blocking(secs, key):
-        nonlocal tm
+        # wait_until(end, (start, end, key)) written out: the timeline's most frequent step
+        nonlocal tm, tc
         start = max(tc, tm)
         end = start + secs
-        wait_until(end, (start, end, key))
+        if end > tc:
+            lo = tc
+            for s_, e_, k in queue:
+                a, b = max(lo, s_), min(end, e_)
+                if b > a:
+                    exposed[k] = exposed.get(k, 0.0) + (b - a)
+            a = max(lo, start)
+            if end > a:
+                exposed[key] = exposed.get(key, 0.0) + (end - a)
+            tc = end
         tm = end
         queue.clear()
 

@@ -103,13 +103,14 @@ def run_program_passes(program, context: PassContext, disable=(), why_not: str =
     ``why_not`` says why they do not apply, e.g. a pipeline stage), mark the reasons of the
     collectives they changed, and return their :class:`PassRecord` list."""
     records, tags = [], {}
+    after = None  # the keys after the last pass run: the next one starts from that graph
     for p in PROGRAM_PASSES:
         skip = why_not or ("disabled" if p.name in disable else "") or (
             "a forward-only plan" if p.train_only and not context.train else "")
         if skip:
             records.append(PassRecord(p.name, False, why_not=skip))
             continue
-        before = _node_keys(program.graph_module.graph)
+        before = after if after is not None else _node_keys(program.graph_module.graph)
         tags[p.name] = set(p.run(program, context))
         after = _node_keys(program.graph_module.graph)
         records.append(PassRecord(p.name, True, len(tags[p.name]), len(before ^ after)))

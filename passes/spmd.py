@@ -234,19 +234,46 @@ class _Rewriter:
         self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
         self.tag = 0  # the next collective tag (new_tags)
         self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
-        self.unit_memo: dict = {}  # (leaves, axis, soft) -> unit (the layout is fixed for one rewrite)
+        self.unit_index: dict = {}  # (axis, soft) -> _unit_index's answer
+        self.unit_memo: dict = {}  # (atoms, axis, soft) -> unit (the layout is fixed for one rewrite)
 
     # ------------------------------------------------------------------ layout queries
     def unit_of(self, atoms, axis, soft=False) -> Optional[tuple]:
-        lv = self.info.leaves(atoms)
-        key = (lv, axis, soft)
+        # asked for every dim of every value, per axis: memoized by the dim's atoms (the names
+        # are settled before a rewrite starts, so atoms give the same leaves throughout it)
+        key = (tuple(atoms), axis, soft)
         memo = self.unit_memo
-        if key in memo:  # asked for every dim of every value, per axis: memoized by its leaves
+        got = memo.get(key, memo)
+        if got is not memo:
+            return got
+        lv = self.info.leaves(atoms)
+        units, first = self._unit_index(axis, soft)
+        if first is None:
+            regional = () if soft else self.layout.regional.get(axis, ())
+            memo[key] = next((u for u in units if lv[: len(u)] == u and u not in regional), None)
             return memo[key]
-        regional = () if soft else self.layout.regional.get(axis, ())
-        memo[key] = next((u for u in (self.layout.soft.get(axis, ()) if soft else self.layout.units[axis])
-                          if lv[: len(u)] == u and u not in regional), None)
+        # the first unit in layout order that is a prefix of the leaves: only lv's prefixes can be
+        hits = [first[lv[:k]] for k in range(len(lv) + 1) if lv[:k] in first]
+        memo[key] = units[min(hits)] if hits else None
         return memo[key]
+
+    def _unit_index(self, axis, soft) -> tuple:
+        """(units of ``axis``, {unit: its first position} without the regional ones), or
+        (units, None) when a unit is not a tuple (then :meth:`unit_of` scans them). A full
+        model's layout has a unit per block and name: a scan per dim would cost as much."""
+        got = self.unit_index.get((axis, soft))
+        if got is None:
+            units = self.layout.soft.get(axis, ()) if soft else self.layout.units[axis]
+            regional = () if soft else self.layout.regional.get(axis, ())
+            first: Optional[dict] = {}
+            for i, u in enumerate(units):
+                if not isinstance(u, tuple):
+                    first = None
+                    break
+                if u not in first and u not in regional:
+                    first[u] = i
+            got = self.unit_index[(axis, soft)] = (units, first)
+        return got
 
     def desired(self, node: fx.Node, out: int = 0) -> tuple:
         dims = self.info.of(node, out)
