@@ -90,28 +90,32 @@ class Reduced:
 
 
 def _node_sig(node, pos: dict, block_of: dict, j: int, param_key) -> tuple:
-    def arg_sig(a):
-        if isinstance(a, fx.Node):
-            if a.op == "placeholder":
-                return ("ph", param_key(a))
-            b = block_of.get(a)
-            if b == j:
-                return ("in", pos[a])
-            if b is not None and b == j - 1:
-                return ("prev", pos[a])
-            if b is not None:
-                return ("other", b, pos[a])
-            return ("ext", a.name)
-        if isinstance(a, (list, tuple)):
-            return tuple(arg_sig(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, arg_sig(v)) for k, v in a.items()))
-        return ("lit", repr(a))
-
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
     shapes = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(type(v)) for v in vals)
-    return (str(node.target), shapes, arg_sig(node.args), arg_sig(node.kwargs))
+    ctx = (pos, block_of, j, param_key)
+    return (str(node.target), shapes, _arg_sig(node.args, ctx), _arg_sig(node.kwargs, ctx))
+
+
+def _arg_sig(a, ctx):
+    # (a module-level function: a nested recursive one is a reference cycle per call)
+    pos, block_of, j, param_key = ctx
+    if isinstance(a, fx.Node):
+        if a.op == "placeholder":
+            return ("ph", param_key(a))
+        b = block_of.get(a)
+        if b == j:
+            return ("in", pos[a])
+        if b is not None and b == j - 1:
+            return ("prev", pos[a])
+        if b is not None:
+            return ("other", b, pos[a])
+        return ("ext", a.name)
+    if isinstance(a, (list, tuple)):
+        return tuple(_arg_sig(x, ctx) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((k, _arg_sig(v, ctx)) for k, v in a.items()))
+    return ("lit", repr(a))
 
 
 def find_blocks(graph: fx.Graph, inputs, info=None) -> Optional[tuple]:

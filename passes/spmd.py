@@ -838,6 +838,7 @@ def input_placements(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, fixed
     """{placeholder name: placement the layout gives it} for every tensor input (``fixed``:
     placements decided by another pass, by name)."""
     r = _Rewriter(graph, info, layout, mesh, set(), {}, {})
+    r.lowering = None  # (no region is visited here; see rewrite)
     fixed = fixed or {}
     return {n.name: fixed.get(n.name) or r.desired(n) for n in graph.nodes if n.op == "placeholder" and is_tensor_node(n)}
 
@@ -874,4 +875,9 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
                          bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs, data_axes)
     if collectives is not None:
         rewriter.collectives = collectives
-    return rewriter.run()
+    try:
+        return rewriter.run()
+    finally:
+        # the rewriter and its lowering refer to each other: without that cycle its tables are
+        # freed as soon as it is dropped, not by the cyclic collector (the search makes hundreds)
+        rewriter.lowering = None
