@@ -319,3 +319,25 @@ def test_planning_freezes_the_captured_heap_and_restores_the_collector(monkeypat
         assert 0 < gc.get_freeze_count() <= before  # (some may have been freed meanwhile)
     finally:
         gc.unfreeze()
+
+
+def test_rewrites_with_per_graph_node_sets_computed_once_build_the_same_program():
+    """Inside ``unchanged_graphs()`` (the search's) the rewrite derives the nodes that need
+    gradients and those computed from the batch once per graph; a plan built there, first or
+    again from the memo, has the program and collectives of one built outside."""
+    from autoshard.passes.spmd import unchanged_graphs
+
+    model, args, dims = llama_tiny(with_labels=True)
+    kw = dict(mesh=Mesh({"dp": 2, "tp": 2}), dims=dims, train=True, zero_stage=0,
+              layout={"batch": "dp", "heads": "tp", "kv_heads": "tp", "ffn": "tp"})
+    plan = autoshard.autoshard(model, args, **kw)
+
+    def text(p):
+        return (p.graph_module.code, [(c.kind, c.axes, c.bytes, c.phase, c.why, c.tag) for c in p.collectives],
+                sorted((k, str(v)) for k, v in p.program.placements.items()))
+
+    with unchanged_graphs():
+        first = autoshard.autoshard(model, args, captured=plan.captured, **kw)
+        again = autoshard.autoshard(model, args, captured=plan.captured, **kw)
+    assert text(first) == text(plan) and text(again) == text(plan)
+    assert any(c.phase == "backward" for c in plan.collectives)  # gradients flow: the node sets matter
