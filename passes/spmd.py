@@ -98,18 +98,20 @@ def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
         raise LayoutError(str(e)) from None
     units = {a: [] for a in mesh.names}
     assignment, sizes = {}, {}
+    seen = {a: set() for a in mesh.names}  # units[a] as a set: a full model's layout has hundreds
     for key, axes in hard.items():
-        _resolve_entry(info, mesh, key, axes, assignment, units, sizes)
+        _resolve_entry(info, mesh, key, axes, assignment, units, sizes, seen)
     soft_units = {a: [] for a in mesh.names}
     soft_assignment = {}
+    soft_seen = {a: set() for a in mesh.names}
     for key, axes in soft.items():
-        _resolve_entry(info, mesh, key, axes, soft_assignment, soft_units, sizes)
+        _resolve_entry(info, mesh, key, axes, soft_assignment, soft_units, sizes, soft_seen)
     for name in set(soft_assignment) & set(assignment):
         raise LayoutError(f"layout gives dim {name!r} both a hard and a soft entry")
     return Layout(assignment, units, sizes, {a: u for a, u in soft_units.items() if u}, soft_assignment)
 
 
-def _resolve_entry(info, mesh, key, axes, assignment, units, sizes):
+def _resolve_entry(info, mesh, key, axes, assignment, units, sizes, seen):
     if axes is None:
         axes = ()
     elif isinstance(axes, str):
@@ -144,7 +146,8 @@ def _resolve_entry(info, mesh, key, axes, assignment, units, sizes):
                     prod *= info.table.size[lv[k]]
                     k += 1
                 unit = tuple(lv[:max(k, 1)])
-                if unit not in units[a]:
+                if unit not in seen[a]:
+                    seen[a].add(unit)
                     units[a].append(unit)
 
 
