@@ -220,6 +220,9 @@ def export_block_check(plan, path, *, plan_fn, steps: int = 2, lr: float = 1e-3,
     planned as its block in the whole plan."""
     pipe = getattr(plan, "pipe", None)
     blocks = repeated_blocks(plan.model, pipe.cuts if pipe is not None else ())
+    if not blocks and pipe is not None:
+        raise BlockCheckError(f"no pipeline stage (cut at {list(pipe.cuts)}) holds two blocks of one kind: "
+                              f"cut to one block of each kind per stage, the model stays whole")
     if not blocks:
         raise BlockCheckError("the model has no repeated blocks (nn.ModuleList of identical modules) to check one at a time")
     doc = json.loads((Path(path) / PLAN_JSON).read_text())

@@ -155,6 +155,7 @@ def test_repeated_blocks_of_a_pipelined_plan_are_kept_per_stage():
     with pytest.raises(BlockCheckError, match="pipeline cut layers.3.weight is inside"):
         _checked_cuts(["layers.3.weight"], repeated_blocks(m, cuts=["layers.3.weight"]))
     assert _checked_cuts(["layers.2", "head"], repeated_blocks(m, cuts=["layers.2"])) == ["layers.1", "head"]
+    assert repeated_blocks(m, cuts=[f"layers.{i}" for i in range(1, 6)]) == {}  # one block per stage: nothing to cut
 
 
 def test_a_pipelined_export_over_the_check_budget_carries_a_pipelined_checked_model(tmp_path):
