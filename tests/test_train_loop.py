@@ -154,6 +154,8 @@ def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipp
     whole = autoshard.consolidate(ck)
     said = res["lines"][0].replace("--resume", "consolidate")
     assert capsys.readouterr().err.splitlines() == [said]
+    autoshard.consolidate(ck, out=tmp_path / "hf")  # written as save_pretrained writes it: the same line
+    assert capsys.readouterr().err.splitlines() == [said]
     assert all(torch.equal(whole[k], v) for k, v in autoshard.consolidate(ck / "step-000002").items())
     weights = R.open_weights(path, R.read_plan(path), str(ck))  # run.py --weights ck: step-000002's tensors
     assert ["warning: " + w for w in weights.warnings] == [res["lines"][0].replace("--resume", "--weights")]
