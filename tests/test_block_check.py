@@ -3,7 +3,8 @@
 A model planned on the meta device (or whose state is over ``check_budget``) has no unsharded
 reference; its export carries ``checks/``, the model with its repeated blocks cut to one of each
 kind, planned the same way, with references. ``run.py --check`` checks that program and prints
-a verdict per block. The tolerance is run.py's --check tolerance (the same as any export's).
+a verdict per block. The tolerance is run.py's --check tolerance (the same as any export's). A
+pipelined plan's checked model keeps one block of each kind per stage and is pipelined alike.
 """
 import json
 import re
