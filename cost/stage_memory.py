@@ -9,7 +9,10 @@ Example::
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
+
+import torch
 
 from autoshard.cost.recompute import annotate_boundaries, checkpointed_segments
 from autoshard.cost.model import program_events, resolve_cost_model
@@ -58,6 +61,9 @@ def stage_memory(plan, cost_model=None) -> list:
     slots = {s.name: s for s in plan.rank_spec().slots}
     forwards = getattr(plan, "plain_stage_forwards", None) or [st.forward for st in plan.pipe.stages]
     acts = [_stage_activations(plan, gm, slots, cm) for gm in forwards]
+    # what the runtime keeps from a microbatch's F to its B besides autograd's saved tensors
+    acts = [(kept + _held_roots(st, gm, plan.pipe.loss_index), working)
+            for (kept, working), st, gm in zip(acts, plan.pipe.stages, forwards)]
     info = plan.stages
     total_params = sum(s.param_bytes for s in info) or 1
     mem = plan.cost["memory"]
@@ -68,6 +74,19 @@ def stage_memory(plan, cost_model=None) -> list:
         out.append(_rank_memory(plan.action_lists[r], acts, state_all * sum(
             s.param_bytes for s in info if s.rank == r) / total_params))
     return out
+
+
+def _held_roots(st, gm, loss_index) -> int:
+    """Bytes of the values stage ``st``'s forward keeps for its backward to start from
+    (``runtime/execution/pipeline.py``): the sent values whose gradient comes back, on the last
+    stage the loss (``gm``: the stage program, whose outputs are the program's there)."""
+    if st.send:
+        return sum(math.prod(b.shape) * b.dtype.itemsize for b in st.send if b.requires_grad)
+    if loss_index is None:
+        return 0
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    v = out[loss_index].meta.get("val") if isinstance(out[loss_index], torch.fx.Node) else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
 def _rank_memory(actions, acts, state) -> dict:
