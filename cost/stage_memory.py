@@ -39,6 +39,11 @@ def _stage_activations(plan, gm, slots, cm) -> tuple:
     for s, c in zip(segs, copies):
         if s.block is None:  # a checkpointed block keeps its inputs instead (below)
             s.saved_bytes += c.saved_bytes
+    if reshard:  # ZeRO-3: a block's recompute gathers its weights again and keeps them in its working set
+        gathered = program_events(prog, plan.mesh, cm, params, counter=copy_counter((), users))
+        for s, c, g in zip(segs, copies, gathered):
+            if s.block is not None:
+                s.saved_bytes += g.saved_bytes - c.saved_bytes
     segs = annotate_boundaries(segs, gm.graph, users)
     held = region_copy_inputs(gm.graph, users, reshard)
     seen = set()
