@@ -1,7 +1,7 @@
 """Two plans of one small Qwen2 on dp=2 x tp=2: measured step time against the calibrated
 cost model's prediction, with the ratio.
 
-Run: .venv/bin/python benchmarks/calibrated_pair.py [--hardware hw.json] [--rounds 3] [--steps 12]
+Run: .venv/bin/python benchmarks/calibrated_pair.py [--hardware hw.json] [--rounds 5] [--steps 12]
 
 The model is Hugging Face's Qwen2 built from its config (random weights): 4 layers, hidden 128,
 4 heads / 2 kv heads, ffn 64, vocab 64, batch 8 x seq 64, fp32, trained with AdamW. The two plans
@@ -15,7 +15,8 @@ read the batch on both axes (``{"batch": ("dp", "tp")}``: every rank a quarter) 
    of ``--steps`` steps (forward + backward + AdamW step) each; a step's time is the slowest
    rank's; a round's time is the median of its steps after the first two.
 4. Prints predicted, measured (median over rounds, with the lowest and highest round) and
-   predicted / measured per plan, and whether the two orders agree.
+   predicted / measured per plan, each round's times, in how many rounds the first plan was
+   faster, and whether the two orders agree.
 """
 import argparse
 import os
@@ -98,7 +99,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hardware", help="a calibrated hardware JSON (skip calibration)")
     ap.add_argument("--out", help="where to write the calibrated hardware JSON")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-measure", action="store_true", help="print the predictions only")
     a = ap.parse_args(argv)
@@ -118,18 +119,24 @@ def main(argv=None):
         return predicted, None
     from autoshard.runtime.transport.launch import spawn
     results = spawn(_measure, 4, a.rounds, a.steps, timeout=900)
-    measured, spread = {}, {}
+    measured, spread, rounds_of = {}, {}, {}
     for k, (name, _) in enumerate(PLANS):
         per_round = []
         for r in range(a.rounds):
             slowest = [max(res[k][r][s] for res in results) for s in range(a.steps)]
             per_round.append(statistics.median(slowest[2:]))
         measured[name], spread[name] = statistics.median(per_round), (min(per_round), max(per_round))
+        rounds_of[name] = per_round
     print(f"\n{'plan':22s} {'predicted ms':>12s} {'measured ms':>12s} {'(rounds lo-hi)':>16s} {'pred/meas':>10s}")
     for name, _ in PLANS:
         lo, hi = spread[name]
         print(f"{name:22s} {predicted[name] * 1e3:12.1f} {measured[name] * 1e3:12.1f} "
               f"{f'({lo * 1e3:.0f}-{hi * 1e3:.0f})':>16s} {predicted[name] / measured[name]:10.2f}")
+    names = [n for n, _ in PLANS]
+    wins = sum(rounds_of[names[0]][r] < rounds_of[names[1]][r] for r in range(a.rounds))
+    for name in names:
+        print(f"  {name:20s} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in rounds_of[name]) + " ms")
+    print(f"{names[0]} faster in {wins} of {a.rounds} rounds")
     order = lambda d: sorted(d, key=d.get)
     agree = order(predicted) == order(measured)
     print(f"fastest measured: {order(measured)[0]}; predicted: {order(predicted)[0]} "
