@@ -23,7 +23,10 @@ labels the ids shifted; 3 training steps. Its weights are written once with ``sa
   on a 2 x 2 mesh, then ``fully_shard`` over dp (FSDP2 + TP).
 
 Both sides are measured the same way: each process's whole high-water mark (``VmHWM``: heap,
-mapped file pages, shared memory it touched) at the end, the max over ranks. gloo on both
+mapped file pages, shared memory it touched) at the end, the max over ranks, with the C
+allocator's mmap threshold fixed on both (``autoshard.runtime.execution.malloc``, as run.py
+does). ``AUTOSHARD_MEMORY_TRACE=1`` also prints the autoshard ranks' VmRSS / VmHWM after
+loading and after each forward, backward and optimizer step. gloo on both
 sides (autoshard's collectives go through its same-host shared memory, counted in its peak).
 """
 from __future__ import annotations
