@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -250,8 +252,6 @@ def trace(phase: str) -> None:
 
     >>> trace("forward")    # silent unless AUTOSHARD_MEMORY_TRACE=1
     """
-    import os
-    import sys
     if os.environ.get("AUTOSHARD_MEMORY_TRACE") != "1":
         return
     b = process_bytes()
