@@ -421,6 +421,7 @@ class SearchSpace:
         self._ob_cache: dict = {}
         self._uo_cache: dict = {}  # units of one axis -> whether they split two dims of a tensor
         self._resolved: dict = {}  # (full graph?, layout items) -> resolved Layout or its LayoutError
+        self._full_states: dict = {}  # candidate -> :meth:`_full_state`
         self._entries: dict = {}  # (name, layout value) -> its units per axis (:meth:`_cand_units`)
         self.invalid = 0
         self.rewrites = 0
@@ -804,7 +805,14 @@ class SearchSpace:
                                                  Mesh({"axis": 1})).items()})
 
     def _full_state(self, cand: Candidate):
-        """Placements, storage and data axes of the whole graph (no rewrite needed)."""
+        """Placements, storage and data axes of the whole graph (no rewrite needed). Cached by
+        the candidate (the bounds ask for it per refinement step; callers only read it)."""
+        got = self._full_states.get(cand)
+        if got is None:
+            got = self._full_states[cand] = self._make_full_state(cand)
+        return got
+
+    def _make_full_state(self, cand: Candidate):
         places, axes = self._placed(cand)
         storage = {}
         if cand.zero_stage >= 2:
@@ -1187,7 +1195,7 @@ class SearchSpace:
                 for a, names in cand.axes}
         data_axis = None
         if cand.zero_stage >= 2:
-            _, _, _, axes = self._full_state(cand)
+            axes = self._placed(cand)[1]  # raises LayoutError without a data axis, as _full_state
             data_axis = axes[0] if axes else None
         total = 0.0
         complete = True
