@@ -860,13 +860,17 @@ class SearchSpace:
         self._segments[skey] = segs
         return segs
 
+    def _state_args(self, cand: Candidate):
+        """(stored placements of the inputs, keyword args of the state and optimizer functions)."""
+        in_places, places, storage, axes = self._full_state(cand)
+        return in_places, dict(zero_stage=cand.zero_stage, data_axes=axes, storage=storage, use_places=dict(places),
+                               counts=self._st_counts)
+
     def state(self, cand: Candidate):
         """(persistent state bytes, stored placements of the inputs, keyword args of the
         state functions) of the whole model under ``cand``. Cached."""
         if cand not in self._state:
-            in_places, places, storage, axes = self._full_state(cand)
-            kw = dict(zero_stage=cand.zero_stage, data_axes=axes, storage=storage, use_places=dict(places),
-                      counts=self._st_counts)
+            in_places, kw = self._state_args(cand)
             st = state_memory(self._st_inputs, self.vals, in_places, self.mesh, self.cm, train=self.train,
                               memo=self._state_terms, **kw)
             self._state[cand] = (st, in_places, kw)
@@ -1307,7 +1311,7 @@ class SearchSpace:
         if key in self._ob_shared:
             self._ob_cache[cand] = self._ob_shared[key]
             return self._ob_cache[cand]
-        st, in_places, kw = self.state(cand)
+        in_places, kw = self._state_args(cand)  # state_memory itself is not needed here
         elems, per, n = optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
         dev = self.cm.hardware.device
         t = (elems * per) / (dev.mem_bandwidth * dev.mem_efficiency) + n * dev.op_overhead
