@@ -2,15 +2,17 @@
 H100 preset, memory_limit 80GB, training (mixed-precision AdamW state, 16 bytes a parameter).
 
 Run: .venv/bin/python benchmarks/search_70b.py [--layers 80] [--batch 32] [--seq 2048]
-                                             [--case free|megatron|both] [--memory-limit 80GB]
+                                             [--case free|megatron|both] [--memory-limit 80GB] [--cp]
 
 Cases:
 * ``free``: every layout and ZeRO stage open. 70B x 16 B = 1.13 TB
   of state; ZeRO-3 over 64 ranks leaves ~17.6 GB a rank, so no pipeline is needed;
 * ``megatron``: Megatron's setting: tp shards heads / kv_heads / ffn / vocab, batch
-  on dp, ZeRO off; a rank then holds 1.13 TB / tp, over 80 GB for any tp <= 8, and the
-  planner pipelines, recomputing activations (whole blocks or selectively) where the stages'
-  activations in flight would not fit otherwise.
+  on dp, ZeRO off, hidden whole, the sequence open (``search=True``): sequence parallelism
+  (``seq`` soft on tp) is in the space, and with ``--cp`` context parallelism on a cp axis. A
+  rank holds 1.13 TB / tp, over 80 GB for any tp <= 8; the planner pipelines only where nothing
+  fits without, recomputing activations (whole blocks or selectively) where they would not fit
+  otherwise.
 
 For each: the chosen mesh, the pipeline decision (``plan.explain()``'s pipeline part),
 torch.export's time and autoshard's own time beyond it, wall and this process's CPU time (the
