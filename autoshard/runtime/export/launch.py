@@ -119,6 +119,8 @@ def run(root: Path, args) -> int:
     doc, mesh = ctx["doc"], ctx["mesh"]
     if ctx["weights"].partial_note and local_rank == 0:
         print(f"run.py: note: {ctx['weights'].partial_note}", file=sys.stderr, flush=True)
+    for warning in ctx["weights"].warnings if _env_int("RANK", 0) == 0 else ():  # as --resume says them
+        _say(f"warning: {warning}")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)

@@ -59,6 +59,16 @@ class SavedBytes:
     def exclude(self, tensors) -> None:
         self.excluded |= {t.untyped_storage().data_ptr() for t in tensors}
 
+    def hold(self, t: torch.Tensor):
+        """Count ``t`` as held for backward besides autograd's saved tensors (a pipeline
+        stage's sent value, kept for its gradient); returns the key :meth:`release` takes."""
+        return self._add(t)
+
+    def release(self, key) -> None:
+        """Stop counting what :meth:`hold` counted (``key`` None: nothing was)."""
+        if key is not None:
+            self._drop(key)
+
     def _add(self, t: torch.Tensor):
         st = t.untyped_storage()
         key = st.data_ptr()
