@@ -328,6 +328,7 @@ class SearchResult:
     notes: list = field(default_factory=list)
     best_infeasible: Optional[Evaluated] = None  # the fastest candidate over memory_limit, if faster
     meshes: list = field(default_factory=list)
+    constraints: dict = field(default_factory=dict)  # the layout entries the search kept fixed
 
     @property
     def layout(self) -> dict:
@@ -1639,4 +1640,5 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
                         sum(r.evaluated for r in results), sum(r.rewrites for r in results),
                         time.perf_counter() - t0, all(r.reduced for r in results), memory_limit,
                         sum(r.infeasible for r in results), sum(r.invalid for r in results),
-                        [n for r in results for n in r.notes], over, [m for m in meshes if any(r.mesh == m for r in results)])
+                        [n for r in results for n in r.notes], over, [m for m in meshes if any(r.mesh == m for r in results)],
+                        dict(constraints or {}))
