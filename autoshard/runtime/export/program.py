@@ -27,6 +27,7 @@ from autoshard.runtime.execution.clip import clip_grad_norm_, global_grad_norm
 from .checks import compare_grads, compare_outputs, global_sum
 from .errors import NonFiniteError
 from .inputs import _planned_value
+from .memory import trace
 from .plan_file import _pipeline, _this
 from .weights import Weights
 
@@ -90,8 +91,10 @@ class RankProgram:
     def train_step(self, user: list):
         """Forward and backward of one step on the global inputs ``user``: the local loss."""
         loss = self.forward(user)[self.doc["loss_output"]]
+        trace("forward")
         # ones of the local loss shape: right for every owner (see autoshard's Plan.run_rank)
         loss.backward(torch.ones_like(loss))
+        trace("backward")
         return loss
 
     def step_loss(self, loss) -> float:
@@ -120,6 +123,7 @@ class RankProgram:
     def step(self):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        trace("optimizer step")
 
 
 def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adamw", lr: float = 1e-3,

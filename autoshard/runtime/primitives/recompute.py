@@ -107,7 +107,11 @@ class SavedBytes:
                     tracker._drop(self.key)
 
         def pack(t):
-            value = inner_pack(t) if inner_pack is not None else t
+            # Kept detached: a saved output holding itself (its grad_fn is the node saving it)
+            # would make a cycle that outlives the graph whenever a backward retains it (a
+            # zero-bubble B) and a later one does not reach that node. Unpacking re-attaches
+            # the saved variable's own autograd edge, so backward sees the same tensor.
+            value = inner_pack(t) if inner_pack is not None else t.detach()
             # a tensor the inner hooks replaced by a token (a released ZeRO-3 gather) is not held
             key = tracker._add(t) if value is t or isinstance(value, torch.Tensor) else None
             return _Held(value, key)
