@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .options import PipelineOptions
 from .passes.buffers import non_persistent_buffers, recompute_buffers
 from .passes.export import PLAN_JSON
 
@@ -48,15 +49,20 @@ def _structure(m: nn.Module) -> tuple:
             tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()))
 
 
-def repeated_blocks(model: nn.Module) -> dict:
+def repeated_blocks(model: nn.Module, cuts=()) -> dict:
     """{ModuleList FQN: [(kept index, [indices of the blocks it stands for])]} for the outermost
     ModuleLists of two or more blocks (a list inside a block, e.g. a layer's experts, is part of
-    that block: the router reads all of them).
+    that block: the router reads all of them). ``cuts``: a pipelined plan's module names where
+    stages begin; a block named there starts a new group (the blocks of each stage are kept
+    apart, and the first block of each stage is kept, so the stages can be cut alike).
 
     >>> import torch.nn as nn
     >>> m = nn.Module(); m.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU()])
     >>> repeated_blocks(m)
     {'layers': [(0, [0, 1]), (2, [2])]}
+    >>> m.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+    >>> repeated_blocks(m, cuts=["layers.2"])
+    {'layers': [(0, [0, 1]), (2, [2, 3])]}
     """
     out = {}
 
@@ -64,11 +70,14 @@ def repeated_blocks(model: nn.Module) -> dict:
         for name, child in mod.named_children():
             fqn = f"{prefix}{name}"
             if isinstance(child, nn.ModuleList) and len(child) >= 2:
-                groups: dict = {}
+                starts = {int(c[len(fqn) + 1:]) for c in cuts if c.startswith(fqn + ".") and c[len(fqn) + 1:].isdigit()}
+                segments: list = []
                 for i, block in enumerate(child):
-                    groups.setdefault(_structure(block), []).append(i)
-                if any(len(g) > 1 for g in groups.values()):
-                    out[fqn] = [(g[0], g) for g in groups.values()]
+                    if i == 0 or i in starts:
+                        segments.append({})
+                    segments[-1].setdefault(_structure(block), []).append(i)
+                if any(len(g) > 1 for seg in segments for g in seg.values()):
+                    out[fqn] = [(g[0], g) for seg in segments for g in seg.values()]
                     continue  # blocks are kept whole
             walk(child, f"{fqn}.")
 
@@ -80,11 +89,11 @@ def _renamed(fqn: str, blocks: dict) -> str | None:
     """The checked model's name of the whole model's parameter ``fqn`` if it is kept, else None."""
     for lst, groups in blocks.items():
         if fqn.startswith(lst + "."):
-            idx, _, rest = fqn[len(lst) + 1:].partition(".")
+            idx, dot, rest = fqn[len(lst) + 1:].partition(".")
             kept = [g[0] for g in groups]
             if not idx.isdigit() or int(idx) not in kept:
                 return None
-            return f"{lst}.{kept.index(int(idx))}.{rest}"
+            return f"{lst}.{kept.index(int(idx))}{dot}{rest}"
     return fqn
 
 
@@ -167,17 +176,53 @@ def _random_inputs(plan, vocab: int | None, seed: int):
 
 
 def _block_collectives(plan, prefix: str) -> Counter:
-    return Counter((c.kind, tuple(c.axes), c.phase) for c in plan.collectives
+    # the SPMD program's collectives: a pipelined plan's sends and receives are compared as
+    # its boundaries (_boundaries), they belong to the stage, not to the block before the cut
+    return Counter((c.kind, tuple(c.axes), c.phase) for c in plan.program.collectives
                    if c.where == prefix or c.where.startswith(prefix + "."))
+
+
+def _boundaries(plan) -> list:
+    """What a pipelined plan's stages send each other: (from stage, shape, dtype), in order."""
+    return sorted((b.src_stage, tuple(b.shape), str(b.dtype), bool(b.requires_grad)) for b in plan.pipe.boundaries)
+
+
+def _checked_cuts(cuts, blocks: dict) -> list:
+    """A pipelined plan's cuts renamed for the checked model (a cut at a kept block, or at a
+    module outside the repeated lists, such as the head); BlockCheckError for a cut inside a
+    block, which the kept block would not stand for."""
+    out = []
+    for c in cuts:
+        lst = next((name for name in blocks if c.startswith(name + ".")), None)
+        renamed = _renamed(c, blocks)
+        if lst is not None and ("." in c[len(lst) + 1:] or renamed is None):
+            raise BlockCheckError(f"the pipeline cut {c} is inside the repeated block list {lst}: its blocks "
+                                  f"cannot be checked one of each kind")
+        out.append(renamed)
+    return out
+
+
+def _stage_of(plan, prefix: str):
+    """The pipelined plan's stage that holds the parameters under ``prefix`` (None if flat)."""
+    if getattr(plan, "pipe", None) is None:
+        return None
+    return next((st.index for st in plan.stages if any(t.startswith(prefix + ".") for t in st.params)), None)
 
 
 def export_block_check(plan, path, *, plan_fn, steps: int = 2, lr: float = 1e-3, seed: int = 0) -> dict:
     """Write ``path/checks/`` (the checked model's export, with its references) and return the
     ``block_check`` entry of the whole export's plan.json. ``plan_fn(model, args, kwargs, dims,
-    layout)`` plans the checked model as the whole plan was planned. Raises
+    layout, cuts)`` plans the checked model as the whole plan was planned (``cuts``: where its
+    pipeline stages begin; None for a plan that is not pipelined). A pipelined plan's checked
+    model keeps one block of each kind per stage, cut into the same stages, so each stage
+    program's blocks, sends and receives are checked under the same schedule. Raises
     :class:`BlockCheckError` where the model has no repeated blocks or a kept block would not be
     planned as its block in the whole plan."""
-    blocks = repeated_blocks(plan.model)
+    pipe = getattr(plan, "pipe", None)
+    blocks = repeated_blocks(plan.model, pipe.cuts if pipe is not None else ())
+    if not blocks and pipe is not None:
+        raise BlockCheckError(f"no pipeline stage (cut at {list(pipe.cuts)}) holds two blocks of one kind: "
+                              f"cut to one block of each kind per stage, the model stays whole")
     if not blocks:
         raise BlockCheckError("the model has no repeated blocks (nn.ModuleList of identical modules) to check one at a time")
     doc = json.loads((Path(path) / PLAN_JSON).read_text())
@@ -190,8 +235,9 @@ def export_block_check(plan, path, *, plan_fn, steps: int = 2, lr: float = 1e-3,
                 p.data = p.data.to(big_dtypes[src])
     args, kwargs = _random_inputs(plan, doc.get("vocab"), seed)
     layout = {n: (axes[0] if len(axes) == 1 else axes) for n, axes in plan.layout.items() if axes}
+    cuts = _checked_cuts(pipe.cuts, blocks) if pipe is not None else None
     try:
-        sub = plan_fn(small, args, kwargs, _dims_of(plan, lambda f: _renamed(f, blocks)), layout)
+        sub = plan_fn(small, args, kwargs, _dims_of(plan, lambda f: _renamed(f, blocks)), layout, cuts)
     except Exception as e:  # noqa: BLE001 - said in one line: the export itself stands
         raise BlockCheckError(f"the model with its repeated blocks cut to one of each could not be planned "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
@@ -203,8 +249,11 @@ def export_block_check(plan, path, *, plan_fn, steps: int = 2, lr: float = 1e-3,
             if got != want:
                 raise BlockCheckError(f"block {whole} is planned with other collectives when checked alone "
                                       f"({sorted((got - want).elements())[:2]} / {sorted((want - got).elements())[:2]})")
-            entries.append({"name": mine, "block": whole,
+            entries.append({"name": mine, "block": whole, "stage": _stage_of(sub, mine),
                             "stands_for": [f"{lst}.{j}" for j in stands_for]})
+    if pipe is not None and _boundaries(sub) != _boundaries(plan):
+        raise BlockCheckError(f"the checked model's stages (cut at {cuts}) send other values than the whole "
+                              f"plan's (cut at {list(pipe.cuts)})")
     sub.export(Path(path) / CHECKS_DIR, args, kwargs, reference=True, reference_steps=steps, lr=lr)
     return {"dir": CHECKS_DIR, "blocks": entries,
             "parameters": sum(p.numel() for p in small.parameters())}
@@ -214,7 +263,7 @@ def add_block_check(plan, path, options: dict, *, autoshard) -> None:
     """After ``export_plan``: an export written without references because the model is over
     the check budget or on the meta device gets ``checks/`` (:func:`export_block_check`) and a
     ``block_check`` entry in plan.json; where that cannot be done, plan.json's ``missing`` says
-    why. Pipelined plans are not checked this way yet (their stages cut the block lists)."""
+    why. A pipelined plan's checked model is pipelined alike (:func:`export_block_check`)."""
     if options.get("reference") is not None:  # asked for, or refused, explicitly
         return
     steps, lr = options.get("reference_steps", 2), options.get("lr", 1e-3)
@@ -224,8 +273,6 @@ def add_block_check(plan, path, options: dict, *, autoshard) -> None:
     if doc.get("reference") or not ("check budget" in why or "meta device" in why):
         return
     try:
-        if doc.get("pipeline"):
-            raise BlockCheckError("a pipelined plan is not checked block by block yet")
         if plan.example_inputs is None:
             raise BlockCheckError("the plan has no example inputs (their shapes are the checked model's)")
         doc["block_check"] = export_block_check(plan, path, plan_fn=_replan(plan, autoshard), steps=steps, lr=lr)
@@ -236,13 +283,18 @@ def add_block_check(plan, path, options: dict, *, autoshard) -> None:
 
 def _replan(plan, autoshard):
     """Plans a model as ``plan`` was planned: its options, with the mesh, layout, ZeRO stage and
-    units the plan settled on (no search: the checked model must carry the same layout)."""
+    units the plan settled on (no search: the checked model must carry the same layout); a
+    pipelined plan's axis, schedule, microbatches and virtual stages, with the cuts given."""
     opts = plan.options
     fixed = [replace(opts.training, zero_stage=plan.zero_stage if plan.train else None, units=plan.units),
              replace(opts.search, search=False, memory_limit=None)]
     rest = [o for o in opts.objects() if not isinstance(o, (type(opts.training), type(opts.search)))
             and o is not opts.pipeline]
 
-    def plan_fn(model, args, kwargs, dims, layout):
-        return autoshard(model, args, kwargs=kwargs, mesh=plan.mesh, dims=dims, layout=layout, options=fixed + rest)
+    def plan_fn(model, args, kwargs, dims, layout, cuts=None):
+        pipe = [] if cuts is None else [PipelineOptions(axis=plan.axis, microbatches=plan.microbatches,
+                                                        schedule=plan.schedule_name, virtual=plan.virtual,
+                                                        cuts=tuple(cuts))]
+        return autoshard(model, args, kwargs=kwargs, mesh=plan.mesh, dims=dims, layout=layout,
+                         options=fixed + rest + pipe)
     return plan_fn

@@ -23,7 +23,10 @@ labels the ids shifted; 3 training steps. Its weights are written once with ``sa
   on a 2 x 2 mesh, then ``fully_shard`` over dp (FSDP2 + TP).
 
 Both sides are measured the same way: each process's whole high-water mark (``VmHWM``: heap,
-mapped file pages, shared memory it touched) at the end, the max over ranks. gloo on both
+mapped file pages, shared memory it touched) at the end, the max over ranks, with the C
+allocator's mmap threshold fixed on both (``autoshard.runtime.execution.malloc``, as run.py
+does). ``AUTOSHARD_MEMORY_TRACE=1`` also prints the autoshard ranks' VmRSS / VmHWM after
+loading and after each forward, backward and optimizer step. gloo on both
 sides (autoshard's collectives go through its same-host shared memory, counted in its peak).
 """
 from __future__ import annotations
@@ -94,6 +97,9 @@ def pytorch_worker(hf_dir: str, layout: str, small: bool) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from transformers import LlamaForCausalLM
 
+    from autoshard.runtime.execution.malloc import fixed_mmap_threshold
+
+    fixed_mmap_threshold()  # the same C allocator setting as run.py's: both sides free alike
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -181,7 +187,12 @@ def autoshard_side(path: Path, hf_dir: Path, n: int, work: Path) -> tuple:
                         "--metrics", str(metrics)])
     if proc.returncode != 0:
         raise RuntimeError(f"autoshard side of {path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    last = json.loads(metrics.read_text().splitlines()[-1])
+    for line in proc.stderr.splitlines():  # AUTOSHARD_MEMORY_TRACE=1: where each rank's peak rises
+        if line.startswith("memtrace "):
+            print(line, flush=True)
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = steps[-1]
+    print(f"{path.name}: step seconds " + ", ".join(f"{s['seconds']:.2f}" for s in steps), flush=True)
     return ([r["measured_bytes"] for r in last["memory"]], [r["predicted_bytes"] for r in last["memory"]],
             last["memory_terms"])
 

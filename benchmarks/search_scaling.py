@@ -3,8 +3,8 @@
 Run: .venv/bin/python benchmarks/search_scaling.py [--archs llama cohere ...] [--meshes dp=2,tp=2 tp=4]
                                                   [--repeat 3] [--timeout 120] [--no-big]
 
-For every architecture of ``tests/hf_zoo.py`` and the plain-PyTorch test models
-(``tests/plain_models.py``) at test size, training, ``hardware="h100"``, on each mesh: the search
+For every architecture of ``tests/helpers/hf_zoo.py`` and the plain-PyTorch test models
+(``tests/helpers/plain_models.py``) at test size, training, ``hardware="h100"``, on each mesh: the search
 space size (candidates), how many the branch and bound evaluated, the process CPU seconds of
 torch.export (autoshard's capture) and of autoshard beyond it (dims, search, final rewrite), and
 their ratio, search / max(export, 0.5 s) (the target: <= 2, i.e. search <= max(2 x export, 1 s)).
@@ -31,8 +31,7 @@ import autoshard  # noqa: E402
 
 def cases():
     """{name: builder() -> (model, args, kwargs, input dims)} with only the inputs named."""
-    import hf_zoo
-    import plain_models
+    from helpers import hf_zoo, plain_models
     out = {}
     for name, arch in {**hf_zoo.ARCHS, **hf_zoo.ZOO}.items():
         def build(arch=arch):

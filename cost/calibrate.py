@@ -42,9 +42,13 @@ from .comm import R, collective_bytes, collective_steps_formula
 from .hardware import DeviceSpec, Hardware, LinkSpec, load_hardware
 from .model import payload_bytes
 
-__all__ = ["calibrate", "fit_alpha_beta", "parse_mesh"]
+__all__ = ["busy_collective_seconds", "calibrate", "fit_alpha_beta", "link_latency", "parse_mesh"]
 
 DEFAULT_SIZES = (4, 4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
+# the compute between the collectives of the busy-latency measurement: one fp32 matmul of this
+# size (14 MFLOP: about a millisecond on a CPU rank sharing its core, the order of a small
+# model's backward between two per-parameter gradient syncs)
+BUSY_GAP_M = 192
 
 
 def parse_mesh(spec) -> dict:
@@ -149,7 +153,55 @@ def _worker(rank, world, mesh_axes, sizes, repeats, device):
         out["compute"]["mem_bandwidth"] = _rate(lambda: big.clone(), 2 * big.numel() * 4, barrier=dist.barrier)
         tiny = torch.ones(8, device=dev)
         out["compute"]["op_overhead"] = 1.0 / _rate(lambda: tiny + 1, 1.0, 0.05, barrier=dist.barrier)
+        # a small all-reduce issued between compute, every rank busy (as in a plan's backward)
+        a = torch.randn(BUSY_GAP_M, BUSY_GAP_M, device=dev)
+        one = torch.ones(1, device=dev)
+        out["busy"] = {axis: busy_collective_seconds(lambda: a @ a, lambda: all_reduce(one, axis),
+                                                     barrier=dist.barrier)
+                       for axis, n in mesh.axes.items() if n > 1}
     return out
+
+
+def busy_collective_seconds(compute, collective, calls: int = 20, repeats: int = 5, barrier=None) -> float:
+    """The time one ``collective()`` adds when issued between ``compute()`` calls: the median
+    of ``calls`` x (compute, collective) minus ``calls`` x compute alone, per call (never < 0).
+
+    Calibration's all-reduce fit times collectives that start together after a barrier, with
+    every rank idle. In a plan a collective is issued between ops while every local rank
+    computes; where ranks outnumber cores a rank waits until its peers are scheduled, so the
+    fixed cost of each collective is larger than the fit's. This measures that cost.
+
+    >>> import time
+    >>> s = busy_collective_seconds(lambda: sum(range(1000)), lambda: time.sleep(0.002), calls=5, repeats=3)
+    >>> s > 0.001                 # the 2 ms sleep, less the noise of timing the compute alone
+    True
+    """
+    def mixed():
+        for _ in range(calls):
+            compute()
+            collective()
+
+    def alone():
+        for _ in range(calls):
+            compute()
+    t_mixed = _time(mixed, repeats, barrier)
+    t_alone = _time(alone, repeats, barrier)
+    return max(0.0, (t_mixed - t_alone) / calls)
+
+
+def link_latency(alpha_fit: float, busy_seconds: Optional[float], ranks: int) -> float:
+    """A link's latency per step: the larger of the all-reduce fit's ``alpha`` and the measured
+    cost of an all-reduce issued between compute (``busy_seconds``) over its latency steps.
+
+    >>> round(link_latency(1e-4, 2e-3, 2) * 1e3, 3)    # 2 ranks: an all-reduce is 2 steps
+    1.0
+    >>> link_latency(1e-4, None, 2)
+    0.0001
+    """
+    if not busy_seconds:
+        return alpha_fit
+    steps = float(collective_steps_formula("all_reduce").subs(R, ranks))
+    return max(alpha_fit, busy_seconds / steps)
 
 
 def calibrate(mesh_axes=None, nprocs=None, out_path: Optional[str] = None, *, base="cpu-gloo",
@@ -176,7 +228,7 @@ def calibrate(mesh_axes=None, nprocs=None, out_path: Optional[str] = None, *, ba
         for axis, kind, nbytes, t in res["comm"]:
             key = (axis, kind, nbytes)
             per[key] = max(per.get(key, 0.0), t)
-    links, raw, ratios = {}, {}, {}
+    links, raw, ratios, fits, busy = {}, {}, {}, {}, {}
     for axis, n in mesh_axes.items():
         if n == 1:
             continue
@@ -187,7 +239,9 @@ def calibrate(mesh_axes=None, nprocs=None, out_path: Optional[str] = None, *, ba
                 steps, sent = _steps_and_sent(kind, nbytes, n)
                 samples.append((steps, sent, t))
         alpha, beta = fit_alpha_beta(samples)
-        links[axis] = (alpha, 1.0 / beta)
+        fits[axis] = alpha
+        busy[axis] = max(r["busy"][axis] for r in results)
+        links[axis] = (link_latency(alpha, busy[axis], n), 1.0 / beta)
         for (a, kind, nbytes), t in per.items():
             if a == axis and nbytes >= 2**18:
                 steps, sent = _steps_and_sent(kind, nbytes, n)
@@ -209,12 +263,15 @@ def calibrate(mesh_axes=None, nprocs=None, out_path: Optional[str] = None, *, ba
         d["collective_factors"] = factors
         d["calibration"] = {"mesh": mesh_axes, "seconds": time.perf_counter() - t0,
                             "collectives": {a: [list(x) for x in v] for a, v in raw.items()},
+                            "latency_fit": fits, "busy_all_reduce_seconds": busy,
                             "note": "collective times are the slowest rank's mean over repeats; overlap=false: "
                                     "the runtime's collectives are synchronous"}
         Path(out_path).write_text(json.dumps(d, indent=2) + "\n")
     if verbose:
         for axis, (alpha, bw) in links.items():
-            print(f"[autoshard] calibrate {axis}: latency {alpha * 1e6:.1f} us/step, bandwidth {bw / 1e9:.3f} GB/s")
+            print(f"[autoshard] calibrate {axis}: latency {alpha * 1e6:.1f} us/step (all-reduce fit "
+                  f"{fits[axis] * 1e6:.1f}; one issued between compute {busy[axis] * 1e6:.0f} us), "
+                  f"bandwidth {bw / 1e9:.3f} GB/s")
         print("[autoshard] calibrate time factors vs the all-reduce fit: "
               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(factors.items())))
         print(f"[autoshard] calibrate compute: fp32 {comp['fp32'] / 1e9:.1f} GFLOP/s, copy {comp['mem_bandwidth'] / 1e9:.2f} "

@@ -350,17 +350,19 @@ def activations_by_module(segments) -> dict:
     return out
 
 
-def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optional[dict] = None) -> list:
+def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optional[dict] = None,
+                   counter=SavedCounter) -> list:
     """Segments (per block, in program order) of the per-rank program: merged compute times,
     the plan's collectives with their forward / backward times, and gradient-ready points of
     bucketed parameters.
 
     ``param_names``: placeholder names of trainable parameters (their gradient syncs may
     overlap backward compute); ``vals``: placeholder name -> whole (global) meta tensor, for
-    the bucket assignment."""
+    the bucket assignment; ``counter``: what ``saved_bytes`` counts (a ``SavedCounter`` class,
+    as ``cost/stage_copies.py``'s)."""
     graph = unfused(program.graph_module.graph)  # priced as the unfused program (no overlap modelled)
     rg = requires_grad_nodes(graph, param_names)
-    kept = SavedCounter(graph, rg)  # what autograd keeps for backward, op by op (cost/saved.py)
+    kept = counter(graph, rg)  # what autograd keeps for backward, op by op (cost/saved.py)
     by_tag: dict = {}
     for c in program.collectives:
         by_tag.setdefault(c.tag, []).append(c)

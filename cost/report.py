@@ -14,6 +14,7 @@ from autoshard.ownership import local_shape
 from autoshard.passes.spmd import LayoutError
 
 from autoshard.cost.context_parallel import context_explanation
+from .gqa import gqa_explanation
 from .idle import idle_axes_explained
 from .model import formula_text
 from .plan_cost import _cost_model, layout_cost, plan_cost
@@ -167,6 +168,7 @@ def explain(plan) -> str:
                  f"mesh shape(s), evaluated {res.evaluated} exactly ({res.rewrites} rewrites"
                  + (", repeated blocks solved once" if res.reduced else "")
                  + f") and ruled out the rest by lower bounds, in {res.seconds:.2f} s.")
+    lines += gqa_explanation(plan, fixed=getattr(res, "constraints", {}))
     if res.memory_limit is not None and res.infeasible:
         lines.append(f"{res.infeasible} candidates exceed memory_limit {gb(res.memory_limit)} per rank (their state "
                      f"and activations alone, or their evaluated peak).")

@@ -59,9 +59,9 @@ from autoshard.mesh import Mesh, factorizations
 from autoshard.ownership import R, Replicate, data_axes
 from autoshard.passes.dims import infer_dims, module_of
 from autoshard.passes.program import build_program, choose_storage
-from autoshard.passes.soft import SOFT_MARK, is_soft, soft_layout_value
-from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, input_placements, lazy_programs,
-                                  requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
+from autoshard.passes.soft import SOFT_MARK, SoftLayoutError, is_soft, soft_layout_value, split_soft
+from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, _resolve_entry, input_placements,
+                                  lazy_programs, requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
 
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
@@ -332,6 +332,7 @@ class SearchResult:
     notes: list = field(default_factory=list)
     best_infeasible: Optional[Evaluated] = None  # the fastest candidate over memory_limit, if faster
     meshes: list = field(default_factory=list)
+    constraints: dict = field(default_factory=dict)  # the layout entries the search kept fixed
 
     @property
     def layout(self) -> dict:
@@ -418,7 +419,6 @@ class SearchSpace:
         self._segments: dict = {}
         self._lb_cache: dict = {}
         self._places: dict = {}
-        self._full_states: dict = {}  # (axes, stage, release) -> _full_state's tuple
         self._state: dict = {}
         self._nu: dict = {}
         self._cands = None
@@ -426,6 +426,8 @@ class SearchSpace:
         self._ob_cache: dict = {}
         self._uo_cache: dict = {}  # units of one axis -> whether they split two dims of a tensor
         self._resolved: dict = {}  # (full graph?, layout items) -> resolved Layout or its LayoutError
+        self._full_states: dict = {}  # candidate -> :meth:`_full_state`
+        self._entries: dict = {}  # (name, layout value) -> its units per axis (:meth:`_cand_units`)
         self.invalid = 0
         self.rewrites = 0
         self._stage_options = self._stages(zero_stage, reshard_after_forward)
@@ -471,6 +473,46 @@ class SearchSpace:
         full = full or self.reduced is None
         return self._memo(self._resolved, (full, tuple(layout.items())), lambda: resolve_layout(
             self._named_full if full else self._named_red, layout, self.mesh))
+
+    def _cand_units(self, cand: Candidate):
+        """:meth:`_units` of the candidate's complete layout, assembled entry by entry:
+        ``resolve_layout`` resolves each entry on its own and collects the units per axis in
+        entry order (first appearance), so one entry's resolution (cached by name and value) is
+        shared by every candidate giving that name the same axes; the enumeration and the bounds
+        ask for tens of thousands of layouts made of a few hundred entries. With glob entries
+        (``extra``), the whole layout is resolved. Raises LayoutError as ``resolve_layout``."""
+        if self.extra:
+            return self._units(cand.layout(self.names, self.extra))
+        return self._memo(self._resolved, ("candidate", cand.axes), lambda: self._assemble(cand))
+
+    def _assemble(self, cand: Candidate) -> "_Resolved":
+        units = {a: [] for a in self.mesh.names}
+        soft = {a: [] for a in self.mesh.names}
+        for n, value in cand.layout(self.names, {}).items():
+            if value is None:
+                continue  # kept whole: no units (the name exists, its lookup cannot fail)
+            hard1, soft1 = self._memo(self._entries, (n, value), lambda: self._entry(n, value))
+            for out, got in ((units, hard1), (soft, soft1)):
+                for a, us in got.items():
+                    for u in us:
+                        if u not in out[a]:
+                            out[a].append(u)
+        return _Resolved(units, {a: u for a, u in soft.items() if u})
+
+    def _entry(self, name, value) -> tuple:
+        """(hard units, soft units) per axis of the one layout entry ``name: value``."""
+        info = self._named_red if self.reduced is not None else self._named_full
+        try:
+            hard, soft = split_soft({name: value})
+        except SoftLayoutError as e:
+            raise LayoutError(str(e)) from None
+        out = []
+        for entries in (hard, soft):
+            units = {a: [] for a in self.mesh.names}
+            for key, axes in entries.items():
+                _resolve_entry(info, self.mesh, key, axes, {}, units, {})
+            out.append({a: us for a, us in units.items() if us})
+        return tuple(out)
 
     def _memo(self, cache: dict, key, compute):
         """``compute()``, cached in ``cache`` under ``key``; a LayoutError it raises is cached and
@@ -630,53 +672,68 @@ class SearchSpace:
         and duplicates (same units) removed. Cached."""
         if self._cands is not None:
             return self._cands
-        per_axis = [[(a, s) for s in self.axis_options(a)] for a in self.mesh.names]
+        overlapping = self._overlapping_names()
+        per_axis = [[self._option(a, s, overlapping) for s in self.axis_options(a)] for a in self.mesh.names]
         seen = {}
         self.invalid = 0
-        overlapping = self._overlapping_names()
         for combo in itertools.product(*per_axis):
-            cand = Candidate(tuple(combo))
-            softs = [n[:-1] for _, s in combo for n in s if n.endswith(SOFT_MARK)]
-            if softs and (len(set(softs)) < len(softs) or len(set(softs) - set(self.fixed_soft)) > 1
-                          or set(softs) & {n for _, s in combo for n in s}):
-                continue  # a name soft on two axes, or soft on one and hard on another; one searched soft name
+            cand = Candidate(tuple(o.pair for o in combo))
+            if any(o.softs for o in combo):
+                softs = [n for o in combo for n in o.softs]
+                if (len(set(softs)) < len(softs) or len(set(softs) - set(self.fixed_soft)) > 1
+                        or set(softs) & {n for o in combo for n in o.pair[1]}):
+                    continue  # a name soft on two axes, or soft on one and hard on another; one searched soft name
             if overlapping:
-                where = {}
-                for a, s in combo:
-                    if self.mesh.axes[a] > 1:
-                        for n in s:
-                            where[n] = where.get(n, ()) + (a,)
-                if any(n1 in where and n2 in where and where[n1] != where[n2] for n1, n2 in overlapping):
+                has1 = has2 = differ = 0
+                for o in combo:
+                    has1 |= o.first
+                    has2 |= o.second
+                    differ |= o.first ^ o.second
+                if has1 & has2 & differ:
                     # two names splitting the same leading atoms on different axes would split one
                     # dim by both in no nesting the rewrite knows (the heads on dp, kv heads on tp)
                     self.invalid += 1
                     continue
-            multi = len({n for _, s in combo for n in s}) < sum(len(s) for _, s in combo)
+            multi = len(frozenset().union(*(o.pair[1] for o in combo))) < sum(o.count for o in combo)
             if multi or self.extra:
                 # a name on several axes (its units depend on all of them), or glob entries
                 try:
-                    units = self._units(cand.layout(self.names, self.extra)).units
+                    resolved = self._cand_units(cand)
                 except self._LayoutError:
                     self.invalid += 1
                     continue
+                units = resolved.units
                 if not self._units_ok(units):
                     self.invalid += 1
                     continue
-                resolved = self._units(cand.layout(self.names, self.extra))
                 key = tuple((a, tuple(sorted(units[a])), tuple(sorted(resolved.soft.get(a, ()))))
                             for a in self.mesh.names)
             else:
                 # one axis per name: the units are the names' own, checked per axis already
-                nu = self._name_units
-                key = tuple((a, tuple(sorted({u for n in s if not n.endswith(SOFT_MARK) for u in nu(a).get(n) or ()})),
-                             tuple(sorted({u for n in s if n.endswith(SOFT_MARK) for u in nu(a).get(n[:-1]) or ()})))
-                            if self.mesh.axes[a] > 1 else (a, ()) for a, s in combo)
+                key = tuple(o.key for o in combo)
             prev = seen.get(key)
             # Same units, same program: keep the one naming the most dims (it says what is split).
-            if prev is None or sum(len(s) for _, s in combo) > sum(len(s) for _, s in prev.axes):
+            if prev is None or sum(o.count for o in combo) > sum(len(s) for _, s in prev.axes):
                 seen[key] = cand
         self._cands = list(seen.values())
         return self._cands
+
+    def _option(self, axis, names: frozenset, overlapping: list) -> "_AxisOption":
+        """What the enumeration reads of one axis option, computed once per option rather than
+        once per combination: its soft names, its units key when no name is on another axis too,
+        and which of each overlapping pair of names it holds (bit i: pair i)."""
+        big = self.mesh.axes[axis] > 1
+        nu = self._name_units(axis) if big else {}
+        key = ((axis, tuple(sorted({u for n in names if not n.endswith(SOFT_MARK) for u in nu.get(n) or ()})),
+                tuple(sorted({u for n in names if n.endswith(SOFT_MARK) for u in nu.get(n[:-1]) or ()})))
+               if big else (axis, ()))
+        first = second = 0
+        if big:
+            for i, (n1, n2) in enumerate(overlapping):
+                first |= (n1 in names) << i
+                second |= (n2 in names) << i
+        softs = tuple(n[:-1] for n in names if n.endswith(SOFT_MARK))
+        return _AxisOption((axis, names), len(names), softs, key, first, second)
 
     def _overlapping_names(self) -> list:
         """Pairs of names whose dims start with the same atom (e.g. heads and kv_heads)."""
@@ -730,7 +787,7 @@ class SearchSpace:
         """(input placements, data axes) of the candidate's layout. Cached by its axes."""
         if cand.axes not in self._places:
             # identical blocks: a cut-away block's parameters are placed as the last kept one's
-            resolved = self._units(cand.layout(self.names, self.extra), full=self.reduced is None)
+            resolved = self._cand_units(cand)
             per_axis = [self._axis_placements(resolved.units[a]) for a in self.mesh.names]
             places = {n: tuple(p[n] for p in per_axis) for n in per_axis[0]} if per_axis else {}
             axes = data_axes([(places[i.name], self.mesh.names) for i in self._st_inputs
@@ -754,17 +811,14 @@ class SearchSpace:
 
     def _full_state(self, cand: Candidate):
         """Placements, storage and data axes of the whole graph (no rewrite needed). Cached by
-        what they depend on: the axes, and the stage and release flag where they choose a storage
-        (the bounds ask for it for every candidate they refine)."""
-        places, axes = self._placed(cand)  # (raises LayoutError for a stage without a data axis)
-        key = (cand.axes, cand.zero_stage if cand.zero_stage >= 2 else 0,
-               bool(cand.reshard) if cand.zero_stage == 3 else None)
-        got = self._full_states.get(key)
+        the candidate (the bounds ask for it per refinement step; callers only read it)."""
+        got = self._full_states.get(cand)
         if got is None:
-            got = self._full_states[key] = self._make_full_state(cand, places, axes)
+            got = self._full_states[cand] = self._make_full_state(cand)
         return got
 
-    def _make_full_state(self, cand: Candidate, places, axes):
+    def _make_full_state(self, cand: Candidate):
+        places, axes = self._placed(cand)
         storage = {}
         if cand.zero_stage >= 2:
             params = {n: self.vals[n] for n in self._st_grad}
@@ -811,13 +865,17 @@ class SearchSpace:
         self._segments[skey] = segs
         return segs
 
+    def _state_args(self, cand: Candidate):
+        """(stored placements of the inputs, keyword args of the state and optimizer functions)."""
+        in_places, places, storage, axes = self._full_state(cand)
+        return in_places, dict(zero_stage=cand.zero_stage, data_axes=axes, storage=storage, use_places=dict(places),
+                               counts=self._st_counts)
+
     def state(self, cand: Candidate):
         """(persistent state bytes, stored placements of the inputs, keyword args of the
         state functions) of the whole model under ``cand``. Cached."""
         if cand not in self._state:
-            in_places, places, storage, axes = self._full_state(cand)
-            kw = dict(zero_stage=cand.zero_stage, data_axes=axes, storage=storage, use_places=dict(places),
-                      counts=self._st_counts)
+            in_places, kw = self._state_args(cand)
             st = state_memory(self._st_inputs, self.vals, in_places, self.mesh, self.cm, train=self.train,
                               memo=self._state_terms, **kw)
             self._state[cand] = (st, in_places, kw)
@@ -1138,7 +1196,7 @@ class SearchSpace:
         if cand.axes in self._cb_cache and cand.zero_stage < 2:
             return self._cb_cache[cand.axes], True
         try:
-            resolved2 = self._units(cand.layout(self.names, self.extra))
+            resolved2 = self._cand_units(cand)
         except self._LayoutError:
             return 0.0, True
         units2 = resolved2.units
@@ -1146,7 +1204,7 @@ class SearchSpace:
                 for a, names in cand.axes}
         data_axis = None
         if cand.zero_stage >= 2:
-            _, _, _, axes = self._full_state(cand)
+            axes = self._placed(cand)[1]  # raises LayoutError without a data axis, as _full_state
             data_axis = axes[0] if axes else None
         total = 0.0
         complete = True
@@ -1205,7 +1263,7 @@ class SearchSpace:
 
         names = dict(cand.axes)[d]
         got = self._axis_records(d, names)
-        resolved2 = self._units(cand.layout(self.names, self.extra))
+        resolved2 = self._cand_units(cand)
         if got is not None and got[0] == (tuple(sorted(resolved2.units[d])), tuple(sorted(resolved2.soft.get(d, ())))):
             sets = {a: {n.rstrip(SOFT_MARK) for n in ns} | {k for k, v in self.extra.items() if v and a in v}
                     for a, ns in cand.axes}
@@ -1258,7 +1316,7 @@ class SearchSpace:
         if key in self._ob_shared:
             self._ob_cache[cand] = self._ob_shared[key]
             return self._ob_cache[cand]
-        st, in_places, kw = self.state(cand)
+        in_places, kw = self._state_args(cand)  # state_memory itself is not needed here
         elems, per, n = optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
         dev = self.cm.hardware.device
         t = (elems * per) / (dev.mem_bandwidth * dev.mem_efficiency) + n * dev.op_overhead
@@ -1266,6 +1324,26 @@ class SearchSpace:
             t += collective_seconds(self.cm, self.mesh, kind, axes, nbytes)
         self._ob_cache[cand] = self._ob_shared[key] = t
         return t
+
+
+@dataclass(frozen=True)
+class _AxisOption:
+    """One mesh axis's option as the enumeration reads it (:meth:`SearchSpace._option`)."""
+
+    pair: tuple  # (axis, frozenset(names))
+    count: int
+    softs: tuple  # its soft names, without the mark
+    key: tuple  # (axis, hard units, soft units) when no name of it is on another axis
+    first: int  # bit i: holds the first name of overlapping pair i
+    second: int  # bit i: holds the second
+
+
+@dataclass
+class _Resolved:
+    """What the search reads of a resolved Layout: the units per axis, hard and soft."""
+
+    units: dict
+    soft: dict
 
 
 class _OverBudget(Exception):
@@ -1380,12 +1458,15 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
     infeasible = 0
     for k, c in enumerate(pairs):
         try:
+            if c.zero_stage:
+                space._placed(c)  # a ZeRO stage needs a data axis: LayoutError without one
             if limit is not None and space.memory_bound(c) > limit:
                 infeasible += 1
                 continue
             cb = space.compute_bound(c)
             heap.append((cb, k, c, 4 if not refine else 0, cb))
         except space._LayoutError:
+            space.invalid += 1
             continue
     heapq.heapify(heap)
     total = len(heap)
@@ -1564,4 +1645,5 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
                         sum(r.evaluated for r in results), sum(r.rewrites for r in results),
                         time.perf_counter() - t0, all(r.reduced for r in results), memory_limit,
                         sum(r.infeasible for r in results), sum(r.invalid for r in results),
-                        [n for r in results for n in r.notes], over, [m for m in meshes if any(r.mesh == m for r in results)])
+                        [n for r in results for n in r.notes], over, [m for m in meshes if any(r.mesh == m for r in results)],
+                        dict(constraints or {}))

@@ -168,11 +168,17 @@ def _all_reduce(step, node):
     return rw.all_reduced[key]
 
 
-@change("gather", "P", "S")
-def _reduce_scatter(step, node):
-    step.check_nesting(step.t.dim)
-    node = step.reorder(node, step.t.dim, False)
-    return step.emit(C.reduce_scatter, node, (step.t.dim,))
+def _into_shard(fn):
+    """The change that makes the value a shard on the target's dim with the collective ``fn``
+    (its dim reordered first, as any split of a whole dim)."""
+    def handler(step, node):
+        step.check_nesting(step.t.dim)
+        node = step.reorder(node, step.t.dim, False)
+        return step.emit(fn, node, (step.t.dim,))
+    return handler
+
+
+CHANGES[("gather", "P", "S")] = _into_shard(C.reduce_scatter)
 
 
 @change("gather", "S", "S")
@@ -203,11 +209,7 @@ CHANGES[("gather", "S", "R")] = CHANGES[("gather", "S", "P")] = _all_gather
 CHANGES[("gather", "S", "Owned")] = _all_gather
 
 
-@change("slice", "R", "S")
-def _shard_slice(step, node):
-    step.check_nesting(step.t.dim)
-    node = step.reorder(node, step.t.dim, False)
-    return step.emit(C.shard_slice, node, (step.t.dim,))
+CHANGES[("slice", "R", "S")] = _into_shard(C.shard_slice)
 
 
 @change("slice", "R", "P")

@@ -153,22 +153,30 @@ def block_regions(graph: fx.Graph, user_names) -> list:
     return [_finish(r, order) for r in regions.values()]
 
 
+def _kept_bytes(graph: fx.Graph, user_names, values, storage=lambda n: n) -> dict:
+    """{block key: bytes of the activations among ``values(region)``}, each ``storage(value)``
+    counted once, at the first block that keeps it: the walk of :func:`boundary_bytes` and
+    :func:`held_bytes`."""
+    acts = activation_nodes(graph, user_names)
+    seen: set = set()
+    out: dict = {}
+    for r in block_regions(graph, user_names):
+        total = 0
+        for a in values(r):
+            b = storage(a)
+            val = b.meta.get("val")
+            if a in acts and b not in seen and isinstance(val, torch.Tensor):
+                total += val.numel() * val.element_size()
+            seen.add(b)
+        out[r.key] = total
+    return out
+
+
 def boundary_bytes(graph: fx.Graph, user_names) -> dict:
     """{block key: bytes of the activations a checkpointed block keeps for backward}: its
     tensor inputs that depend on a user input, each value counted at the first block that
     reads it (a rotary table read by every block is kept once)."""
-    acts = activation_nodes(graph, user_names)
-    seen: set = set()
-    out = {}
-    for r in block_regions(graph, user_names):
-        total = 0
-        for a in r.inputs:
-            val = a.meta.get("val")
-            if a in acts and a not in seen and isinstance(val, torch.Tensor):
-                total += val.numel() * val.element_size()
-            seen.add(a)
-        out[r.key] = total
-    return out
+    return _kept_bytes(graph, user_names, lambda r: r.inputs)
 
 
 def held_bytes(graph: fx.Graph, user_names, policy: str = "block") -> dict:
@@ -176,28 +184,15 @@ def held_bytes(graph: fx.Graph, user_names, policy: str = "block") -> dict:
     under ``policy``}: its tensor inputs, and for the selective policy the outputs of the ops it
     keeps; each storage counted once (a view counts as its base; a value read by several blocks
     is counted at the first)."""
-    acts = activation_nodes(graph, user_names)
-
     def base(n):
         while n.op == "call_function" and _is_view(n) and n.all_input_nodes:
             n = n.all_input_nodes[0]
         return n
 
-    seen: set = set()
-    out: dict = {}
-    for r in block_regions(graph, user_names):
-        values = list(r.inputs)
-        if policy == "selective":
-            values += [n for n in r.nodes if saved_by_selective(n)]
-        total = 0
-        for a in values:
-            b = base(a)
-            val = b.meta.get("val")
-            if a in acts and b not in seen and isinstance(val, torch.Tensor):
-                total += val.numel() * val.element_size()
-            seen.add(b)
-        out[r.key] = total
-    return out
+    def values(r):
+        return list(r.inputs) + ([n for n in r.nodes if saved_by_selective(n)] if policy == "selective" else [])
+
+    return _kept_bytes(graph, user_names, values, base)
 
 
 def checkpoint_blocks(gm: fx.GraphModule, user_names, blocks=None, policy: str = "block"):

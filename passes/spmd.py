@@ -111,7 +111,7 @@ def resolve_layout(info: DimInfo, layout: Optional[dict], mesh) -> Layout:
     return Layout(assignment, units, sizes, {a: u for a, u in soft_units.items() if u}, soft_assignment)
 
 
-def _resolve_entry(info, mesh, key, axes, assignment, units, sizes, seen):
+def _resolve_entry(info, mesh, key, axes, assignment, units, sizes, seen=None):
     if axes is None:
         axes = ()
     elif isinstance(axes, str):
@@ -146,7 +146,10 @@ def _resolve_entry(info, mesh, key, axes, assignment, units, sizes, seen):
                     prod *= info.table.size[lv[k]]
                     k += 1
                 unit = tuple(lv[:max(k, 1)])
-                if unit not in seen[a]:
+                if seen is None:  # (a caller's own units table: searched as a list)
+                    if unit not in units[a]:
+                        units[a].append(unit)
+                elif unit not in seen[a]:
                     seen[a].add(unit)
                     units[a].append(unit)
 

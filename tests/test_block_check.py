@@ -3,7 +3,8 @@
 A model planned on the meta device (or whose state is over ``check_budget``) has no unsharded
 reference; its export carries ``checks/``, the model with its repeated blocks cut to one of each
 kind, planned the same way, with references. ``run.py --check`` checks that program and prints
-a verdict per block. The tolerance is run.py's --check tolerance (the same as any export's).
+a verdict per block. The tolerance is run.py's --check tolerance (the same as any export's). A
+pipelined plan's checked model keeps one block of each kind per stage and is pipelined alike.
 """
 import json
 import re
@@ -15,7 +16,7 @@ from torch import nn
 
 import autoshard
 from autoshard import Mesh
-from autoshard.block_check import checked_model, repeated_blocks
+from autoshard.block_check import BlockCheckError, _checked_cuts, checked_model, repeated_blocks
 from autoshard.passes.export import torchrun_command
 
 transformers = pytest.importorskip("transformers")
@@ -132,3 +133,77 @@ def test_the_command_line_exports_the_checked_model_over_its_budget(tmp_path):
     ns = type("NS", (), dict(weights=None, weights_prefix=None, no_reference=False, force=False, check_budget="1KB"))
     out = cli._export(plan, *plan.example_inputs, tmp_path / "cli", ns)
     assert json.loads((out / "plan.json").read_text())["block_check"]["dir"] == "checks"
+
+
+# ---------------------------------------------------------------- pipelined plans
+# A pipelined plan's checked model keeps one block of each kind per stage and is cut into the
+# same stages (the first block of each stage), with the whole plan's schedule and microbatches:
+# its stage programs are checked, sends and receives included.
+
+def _pipelined(tmp_path):
+    ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    plan = autoshard.autoshard(_llama(False), (), kwargs={"input_ids": ids, "labels": ids},
+                               mesh=Mesh({"pp": 2, "tp": 2}), dims=DIMS,
+                               layout={"heads": "tp", "kv_heads": "tp", "ffn": "tp"}, train=True,
+                               pipeline={"microbatches": 2, "cuts": ["model.layers.2"]})
+    return plan, plan.export(tmp_path / "pp", check_budget="1KB")
+
+
+def test_repeated_blocks_of_a_pipelined_plan_are_kept_per_stage():
+    m = nn.Module()
+    m.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(6)])
+    assert repeated_blocks(m, cuts=["layers.2", "head"]) == {"layers": [(0, [0, 1]), (2, [2, 3, 4, 5])]}
+    with pytest.raises(BlockCheckError, match="pipeline cut layers.3.weight is inside"):
+        _checked_cuts(["layers.3.weight"], repeated_blocks(m, cuts=["layers.3.weight"]))
+    assert _checked_cuts(["layers.2", "head"], repeated_blocks(m, cuts=["layers.2"])) == ["layers.1", "head"]
+    assert repeated_blocks(m, cuts=[f"layers.{i}" for i in range(1, 6)]) == {}  # one block per stage: nothing to cut
+
+
+def test_a_pipelined_export_over_the_check_budget_carries_a_pipelined_checked_model(tmp_path):
+    plan, out = _pipelined(tmp_path)
+    doc = json.loads((out / "plan.json").read_text())
+    assert "block_check" not in (doc.get("missing") or {})
+    entry = doc["block_check"]
+    assert [(b["name"], b["block"], b["stage"], b["stands_for"]) for b in entry["blocks"]] == [
+        ("model.layers.0", "model.layers.0", 0, ["model.layers.0", "model.layers.1"]),
+        ("model.layers.1", "model.layers.2", 1, ["model.layers.2", "model.layers.3"])]
+    sub = json.loads((out / "checks" / "plan.json").read_text())
+    assert sub["reference"]["steps"] == 2
+    p, q = doc["pipeline"], sub["pipeline"]
+    assert q["cuts"] == ["model.layers.1"] and p["cuts"] == ["model.layers.2"]
+    for key in ("axis", "schedule", "microbatches", "virtual"):
+        assert q[key] == p[key]
+    sends = lambda pipe: [(b["src_stage"], b["shape"], b["dtype"]) for b in pipe["boundaries"]]
+    assert sends(q) == sends(p)  # the same values cross the stages
+    assert sorted(f for f in (out / "checks").iterdir() if f.name.startswith("stage")) == \
+        [out / "checks" / "stage0.py", out / "checks" / "stage1.py"]
+
+
+@pytest.mark.slow
+def test_check_of_a_pipelined_export_reports_each_stage_block(tmp_path):
+    _, out = _pipelined(tmp_path)
+    r = _torchrun(out, "--check", "--steps", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "check passed" in r.stdout
+    for block, stage, stands in (("0", 0, "model.layers.0, model.layers.1"), ("2", 1, "model.layers.2, model.layers.3")):
+        assert re.search(rf"check block model\.layers\.{block} \(stage {stage}, standing for {stands}, [1-9]\d* "
+                         rf"parameters.*: ok", r.stdout), r.stdout
+    assert re.search(r"check the non-repeated parts .*: ok", r.stdout)
+    assert "step 1/1" in r.stdout.split("autoshard export pp")[-1]  # then the whole pipeline trains
+
+
+@pytest.mark.slow
+def test_check_of_a_pipelined_export_fails_on_a_wrong_stage_program(tmp_path):
+    _, out = _pipelined(tmp_path)
+    program = out / "checks" / "stage0.py"
+    # the first stage's first sum of gradients on tp dropped (backward only): the first stage's
+    # block and the embedding get each rank's partial gradient; the second stage is untouched
+    wrong, n = re.subn(r"= mark_varying\((\w+), 'tp', tag = \d+\)", r"= \1", program.read_text(), count=1)
+    assert n == 1
+    program.write_text(wrong)
+    r = _torchrun(out, "--check", "--steps", "1")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "CHECK FAILED" in r.stdout
+    assert re.search(r"check block model\.layers\.0 \(stage 0, .*: FAILED", r.stdout), r.stdout
+    assert re.search(r"check block model\.layers\.2 \(stage 1, .*: ok", r.stdout), r.stdout
+    assert re.search(r"check the non-repeated parts .*: FAILED", r.stdout), r.stdout

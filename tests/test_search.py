@@ -282,6 +282,11 @@ def test_calibrate_writes_a_loadable_hardware_file(tmp_path):
     hw = calibrate("x=2", "2", str(tmp_path / "hw.json"), sizes=(4, 2**16, 2**20), repeats=4, verbose=False)
     link = hw.link_for_axis({"x": 2}, "x")
     assert link.latency > 0 and link.bandwidth > 0 and hw.device.flops("fp32") > 0
+    # the latency per step covers both the isolated all-reduce fit and an all-reduce issued
+    # between compute (2 ring steps on 2 ranks)
+    cal = json.loads((tmp_path / "hw.json").read_text())["calibration"]
+    assert cal["busy_all_reduce_seconds"]["x"] > 0
+    assert link.latency >= max(cal["latency_fit"]["x"], cal["busy_all_reduce_seconds"]["x"] / 2) * (1 - 1e-12)
     cm = resolve_cost_model(str(tmp_path / "hw.json"))
     assert cm.hardware == hw and cm.overlap is False
     model, args, dims = llama_tiny(with_labels=True)

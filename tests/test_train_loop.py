@@ -134,9 +134,10 @@ def test_loop_options_are_checked_before_running(export, tmp_path, monkeypatch):
             R.prepare(path, R._parser().parse_args(argv))
 
 
-def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipped(export, tmp_path):
+def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipped(export, tmp_path, capsys):
     """A newest checkpoint with a manifest but a data file cut short (disk trouble) is skipped,
-    with the reason, for the newest complete one; consolidate() of the directory does the same."""
+    with the reason, for the newest complete one; consolidate() and --weights of the directory
+    do the same and say so alike."""
     path, _, base = export
     data = ["--data", str(base / "tokens.bin")]
     straight = simulate_run(path, "--steps", "6", *data, *LOOP)[0]["losses"]
@@ -149,8 +150,16 @@ def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_what_it_skipp
                         rf"is incomplete: {torn.name} is 100 bytes, the save wrote \d+ bytes", res["lines"][0])
     assert res["lines"][1].startswith(f"resumed from {ck / 'step-000002'} at step 2")
     assert straight[:2] + res["losses"] == straight  # bit for bit from step 2
+    capsys.readouterr()
     whole = autoshard.consolidate(ck)
+    said = res["lines"][0].replace("--resume", "consolidate")
+    assert capsys.readouterr().err.splitlines() == [said]
+    autoshard.consolidate(ck, out=tmp_path / "hf")  # written as save_pretrained writes it: the same line
+    assert capsys.readouterr().err.splitlines() == [said]
     assert all(torch.equal(whole[k], v) for k, v in autoshard.consolidate(ck / "step-000002").items())
+    weights = R.open_weights(path, R.read_plan(path), str(ck))  # run.py --weights ck: step-000002's tensors
+    assert ["warning: " + w for w in weights.warnings] == [res["lines"][0].replace("--resume", "--weights")]
+    assert {t.source.path for t in weights.sources[0].values()} == {ck / "step-000002"}
 
 
 def test_resume_with_other_data_or_optimizer_is_said(export, tmp_path):

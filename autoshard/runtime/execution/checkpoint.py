@@ -561,7 +561,10 @@ def consolidate(path, out=None, *, format: str = "safetensors", like=None, max_s
         from .hf_consolidate import write_hf
         return write_hf(path, out, format=format, like=like, max_shard_size=max_shard_size,
                         weights_prefix=weights_prefix, overwrite=overwrite)
-    path = resolve(path)
+    skipped: list = []
+    path = resolve(path, skipped)
+    for line in skipped_warnings(skipped, "consolidate"):  # the newer checkpoints it did not take
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     manifest = read_manifest(path)
     state = {k[len(MODEL):]: v for k, v in load_global(path, MODEL).items()}
     for alias, kept in (manifest.get("aliases") or {}).items():
@@ -651,6 +654,20 @@ def resolve(path, skipped: list | None = None) -> Path:
         last = passed[0][1] if passed else f"{partial[-1].name}: its save was interrupted"
         raise CheckpointError(f"{path} holds only incomplete checkpoints (newest: {last}); nothing to load")
     raise CheckpointError(f"{path} is not a checkpoint and holds no step-* checkpoints")
+
+
+def skipped_warnings(skipped: list, who: str) -> list:
+    """One warning per newer checkpoint that :func:`resolve` skipped (``skipped``: its
+    ``(name, why)`` pairs), saying who skipped it and why: what ``--resume``, ``--weights`` and
+    :func:`consolidate` of a ``--ckpt`` directory print after ``warning:``.
+
+    Example::
+
+        skipped = []
+        resolve("ck", skipped)
+        skipped_warnings(skipped, "--resume")   # ["--resume skipped step-000006: checkpoint ... is incomplete: ..."]
+    """
+    return [f"{who} skipped {name}: {why}" for name, why in skipped]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 from pathlib import Path
 
@@ -168,7 +169,9 @@ def write_hf(src, out, *, format: str = "safetensors", like=None, max_shard_size
     if like is not None and not (like / "config.json").is_file():
         raise ckpt.CheckpointError(f"--like {like} has no config.json (hint: the Hugging Face directory the model "
                                    f"came from, as save_pretrained wrote it)")
-    path, tensors, _ = _tensors(src, weights_prefix)
+    path, tensors, skipped = _tensors(src, weights_prefix)
+    for line in ckpt.skipped_warnings(skipped, "consolidate"):  # as consolidate(DIR) without out says them
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     shards = _shards(tensors, limit)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

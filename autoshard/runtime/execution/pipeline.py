@@ -294,7 +294,9 @@ class PipelineRank:
         tracker = current().saved_tracker if train else None
         with reshard, tracker.hooks() if tracker is not None else contextlib.nullcontext():
             outs = list(st.forward(*args))
-        state = {"inputs": inputs, "ys": outs[st.n_outputs:]}
+        # the weight roots are for a split backward's W only: elsewhere they would hold a
+        # recomputed block's outputs (or any stage's) from forward to backward for nothing
+        state = {"inputs": inputs, "ys": outs[st.n_outputs:] if (a.stage, a.mb) in self.split else []}
         if a.stage == self.n_stages - 1:
             self.outputs[a.mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs[:st.n_outputs]]
             if spec.loss_index is not None:
@@ -312,7 +314,14 @@ class PipelineRank:
                     post_gradient_recv(x, spec.axis, nxt, self._message(b, a.mb))
             state["roots"], state["sent"] = [x for x, _ in roots], [b for _, b in roots]
         if train:
+            # the roots live until this microbatch's backward: what run.py --memory counts
+            state["held"] = [tracker.hold(x) for x in state.get("roots", [])] if tracker is not None else []
             self._state[(a.stage, a.mb)] = state
+
+    def _release(self, state: dict) -> None:
+        tracker = current().saved_tracker
+        for key in state.pop("held", []):
+            tracker.release(key)
 
     def _seeds(self, a: Action, state: dict) -> list:
         """The gradients B starts from: the loss's seed on the last stage, else those of the
@@ -331,7 +340,7 @@ class PipelineRank:
         if key not in self.split:
             if roots:
                 torch.autograd.backward(roots, seeds)
-            del self._state[key]
+            self._release(self._state.pop(key))
             self._send_input_grads(a, [x.grad for x, _ in inputs], inputs)
             return
         st = self.stages[a.stage]
@@ -358,6 +367,7 @@ class PipelineRank:
 
     def _weights(self, a: Action):
         state = self._state.pop((a.stage, a.mb))
+        self._release(state)
         ys, gs = state["ys"], state["y_grads"]
         for lo, hi, names in self.stages[a.stage].weight_groups:
             pairs = [(y, g) for y, g in zip(ys[lo:hi], gs[lo:hi]) if g is not None]

@@ -39,7 +39,8 @@ from .weights import Weights, _common_prefix_fix, open_weights, read_checkpoint,
 from .inputs import load_inputs
 from .accumulation import grad_accum_setup, load_step_inputs
 from .checks import _max_diff, check_tolerance, compare, compare_grads, summarize_check
-from .program import NAN_POLICIES, RankProgram, nonfinite_step, rank_loop, rank_program, rank_spec, weights_lookup
+from .program import (NAN_POLICIES, RankProgram, finish_step, nonfinite_step, rank_loop, rank_program, rank_spec,
+                      weights_lookup)
 from .data import TokenData
 from .training import checkpoint_bytes, prepare_training, train_loop
 from .launch import prepare, run
@@ -47,8 +48,8 @@ from .cli import _parser, main
 
 __all__ = ["EXIT_NONFINITE", "EXIT_PEER", "EXIT_USAGE", "FORMAT", "NAN_POLICIES", "NonFiniteError", "RankProgram",
            "RunError", "TokenData", "VERSION", "Weights", "check_tolerance", "checkpoint_bytes", "compare",
-           "compare_grads", "grad_accum_setup", "load_inputs", "load_program", "load_programs", "load_step_inputs",
-           "loss_shape", "main",
+           "compare_grads", "finish_step", "grad_accum_setup", "load_inputs", "load_program", "load_programs",
+           "load_step_inputs", "loss_shape", "main",
            "nonfinite_step", "open_weights", "prepare", "prepare_training", "rank_loop", "rank_program",
            "rank_spec", "read_checkpoint", "read_plan", "read_safetensors", "run", "summarize_check",
            "train_loop", "weights_lookup"]

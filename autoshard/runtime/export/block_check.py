@@ -12,8 +12,11 @@ any rank.
 
 Example (what rank 0 prints)::
 
-    check block model.layers.0 (standing for model.layers.0-7, 9 parameters): max abs grad diff 2.1e-09: ok
-    check the non-repeated parts (3 parameters, and the outputs): max abs diff 1.4e-08 / 3.0e-09: ok
+    check block model.layers.0 (standing for model.layers.0-7, 9 parameters on each rank that holds it): max abs grad diff 2.1e-09: ok
+    check the non-repeated parts (3 parameters on each rank that holds them, and the outputs): max abs grad diff 3.0e-09: ok
+
+A pipelined export's checked model is pipelined alike (one block of each kind per stage, the
+same cuts, schedule and microbatches): its lines name each block's stage.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ def _stands_for(names) -> str:
 def group_report(entry: dict, doc: dict, mesh, rank: int, res: dict, ref: dict, args, device) -> tuple:
     """(all groups passed, lines for rank 0): this rank's first-step gradients (``res["grads"]``)
     against its blocks of the references, the largest difference per kept block and for the
-    other parameters, maxima over every rank. Call on every rank."""
+    other parameters, maxima over every rank (a group no rank compared fails). Call on every rank."""
     if not args.steps:
         return True, ["check of the blocks through the outputs only (with --steps K each block's gradients "
                       "are compared too)"]
@@ -75,14 +78,17 @@ def group_report(entry: dict, doc: dict, mesh, rank: int, res: dict, ref: dict, 
         good, d, _ = compare(g.detach().cpu(), local_piece(want, places[fqn], mesh, rank), tol)
         worst[k], count[k] = max(worst[k], d), count[k] + 1
         bad[k] = max(bad[k], 0.0 if good else 1.0)
-    t = torch.tensor(worst + bad, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    worst, bad = t[:n].tolist(), t[n:].tolist()
+    t = torch.tensor(worst + bad + count, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a pipelined block's parameters are on its stage's ranks only
+    worst, bad, count = t[:n].tolist(), t[n:2 * n].tolist(), [int(c) for c in t[2 * n:].tolist()]
+    bad = [b or not c for b, c in zip(bad, count)]  # nothing compared is no verdict
     fmt = lambda d: "non-finite" if not math.isfinite(d) else f"{d:.2e}"
     lines = []
     for i, b in enumerate(entry["blocks"]):
-        lines.append(f"check block {b['block']} (standing for {_stands_for(b['stands_for'])}, {count[i]} parameters "
-                     f"on rank {rank}): max abs grad diff {fmt(worst[i])}: {'FAILED' if bad[i] else 'ok'}")
-    lines.append(f"check the non-repeated parts ({count[-1]} parameters on rank {rank}, and the outputs): "
-                 f"max abs grad diff {fmt(worst[-1])}: {'FAILED' if bad[-1] else 'ok'}")
+        stage = f"stage {b['stage']}, " if b.get("stage") is not None else ""
+        lines.append(f"check block {b['block']} ({stage}standing for {_stands_for(b['stands_for'])}, {count[i]} "
+                     f"parameters on each rank that holds it): max abs grad diff {fmt(worst[i])}: "
+                     f"{'FAILED' if bad[i] else 'ok'}")
+    lines.append(f"check the non-repeated parts ({count[-1]} parameters on each rank that holds them, and the "
+                 f"outputs): max abs grad diff {fmt(worst[-1])}: {'FAILED' if bad[-1] else 'ok'}")
     return not any(bad), lines

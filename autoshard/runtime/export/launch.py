@@ -27,12 +27,13 @@ from autoshard.mesh import Mesh
 from autoshard.runtime import DistributedBackend, rank_context
 from autoshard.runtime.execution import shared_paths
 from autoshard.runtime.execution import step_memory
+from autoshard.runtime.execution.malloc import fixed_mmap_threshold
 from autoshard.runtime.transport.watchdog import Heartbeat
 
 from .block_check import block_args, group_report
 from .checks import summarize_check
 from .errors import EXIT_NONFINITE, EXIT_PEER, EXIT_USAGE, NonFiniteError, RunError, _env_int, _report_lost_peer
-from .memory import process_bytes, report as memory_report
+from .memory import process_bytes, report as memory_report, trace
 from .accumulation import load_step_inputs
 from .plan_file import _pipeline, _this, load_programs, loss_shape, read_plan
 from .program import rank_loop, rank_program
@@ -104,6 +105,7 @@ def prepare(root: Path, args) -> dict:
 
 
 def run(root: Path, args) -> int:
+    fixed_mmap_threshold()  # freed tensors leave the process: the peak is what is alive (malloc.py)
     baseline = process_bytes().get("VmRSS", 0)  # the process before any of the program (memory.py)
     local_rank = _env_int("LOCAL_RANK", 0)
     try:
@@ -119,6 +121,8 @@ def run(root: Path, args) -> int:
     doc, mesh = ctx["doc"], ctx["mesh"]
     if ctx["weights"].partial_note and local_rank == 0:
         print(f"run.py: note: {ctx['weights'].partial_note}", file=sys.stderr, flush=True)
+    for warning in ctx["weights"].warnings if _env_int("RANK", 0) == 0 else ():  # as --resume says them
+        _say(f"warning: {warning}")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -132,6 +136,7 @@ def run(root: Path, args) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+    trace("prepared+group")
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     beat = Heartbeat(store, rank)
@@ -197,6 +202,7 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
     train = args.steps > 0
     zero = f", ZeRO-{doc['zero_stage']}" if doc.get("zero_stage") else ""
     transports = backend.connect()  # every rank: the segments are made now, so the line says what is used
+    trace("connected")
     say(f"autoshard export {root.name}: {doc.get('model', 'model')} on {mesh}{zero} "
         f"({mesh.size} {'nccl' if use_cuda else 'gloo'} processes"
         f"{', collectives through shared memory' if 'shared memory' in transports.values() else ''}), "
@@ -209,7 +215,9 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
     with rank_context(mesh, rank, backend):
         rp = rank_program(doc, mesh, rank, ctx["program"], ctx["weights"], device, train)
         meter = step_memory.watch(rp) if getattr(args, "memory", False) and train else None
+        trace("loaded")
         ctx["weights"] = None  # every rank has its blocks: the weights file's mapping goes
+        trace("weights dropped")
         if ctx["loop"]:
             res = train_loop(rp, ctx["user"], ctx["loop"], args, say=say)
         elif doc.get("pipeline"):
@@ -228,7 +236,8 @@ def _run_ranks(root, args, ctx, doc, mesh, rank, device, use_cuda, on_result=Non
     if baseline is not None:  # the whole export's run (not the block check's): each rank's peak
         memory_report(rank, mesh, doc, train=train, device=device, baseline=baseline, metrics=args.metrics,
                       shm_axes=[a for a, t in transports.items() if t == "shared memory" and mesh.axes[a] > 1],
-                      say=say)
+                      say=say, optimizer=args.optimizer,
+                      grad_norm=args.nan_policy != "ignore" or getattr(args, "clip_grad_norm", None) is not None)
     if ctx["ref"] is None:
         return 0
     flags = torch.tensor([1.0 if res["ok"] else 0.0], device=device)

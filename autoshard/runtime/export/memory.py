@@ -17,10 +17,19 @@ the largest collective's buffers) plus what the runtime holds besides, each with
   SPARE_BYTES`` at most; CPU only);
 - ``shm_segments``: the same-host transport's segments, one per mesh axis that uses it
   (``SharedMemoryGroup.segment_bytes`` of the largest payload it takes);
+- ``optimizer_temps``: the optimizer step's temporaries on top of the state (CPU: torch's
+  single-tensor AdamW, per parameter ``sqrt(exp_avg_sq)`` and its quotient by the bias
+  correction, while the previous parameter's denominator is still bound: the most of
+  ``2 b_i + b_(i-1)`` over the parameters in order; SGD without momentum: none);
+- ``grad_norm_temps``: the global gradient norm (``--nan-policy`` and ``--clip-grad-norm``
+  take it before the step): the fp64 copy of one gradient, 8 bytes per element of the largest;
 - ``loading``: while the weights are read, the file pages a rank touches (its own rows where a
   tensor is split on dim 0 or whole, every page of the tensor where it is split on another
   dim) on top of the parameters already copied. Loading comes before training, so the peak
-  is ``baseline + shm + max(loading phase, training phase)``.
+  is ``baseline + shm + max(loading phase, training phase)``; the training phase is the larger
+  of forward/backward (``cost.memory``'s peak) and the optimizer step (the parameters,
+  gradients and optimizer state, with the larger of the two temporaries above), plus the
+  buckets and the pool.
 
 Example::
 
@@ -33,6 +42,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -121,11 +132,38 @@ def shm_bytes(doc: dict, mesh, axis: str) -> int:
     return SharedMemoryGroup.segment_bytes(n, max(payloads + [1]))
 
 
+def step_temporaries(doc: dict, mesh, optimizer: str = "adamw") -> tuple:
+    """(optimizer step's, gradient norm's) temporaries in bytes on top of the state a CPU rank
+    holds at its optimizer step (module doc: ``optimizer_temps``, ``grad_norm_temps``).
+
+    The optimizer steps each trainable parameter as this rank stores it (a ZeRO-1 parameter:
+    its slice of the data axis), in plan.json's order; the norm reads each local gradient.
+
+    >>> from autoshard.mesh import Mesh
+    >>> step_temporaries({"inputs": []}, Mesh({"dp": 2}))
+    (0.0, 0.0)
+    """
+    stepped, norm = [], 0.0
+    for m in doc.get("inputs", ()):
+        if m["kind"] != "parameter" or not m.get("trainable") or m.get("role", "input") != "input" or not m.get("shape"):
+            continue
+        own = _local_bytes(m, mesh)[0]
+        z1 = m.get("zero1")
+        stepped.append(own / (mesh.axes[z1["axis"]] if z1 else 1))
+        norm = max(norm, 8.0 * own / torch.empty((), dtype=m["_dtype"]).element_size())
+    if optimizer != "adamw":  # SGD without momentum updates in place
+        return 0.0, norm
+    # AdamW: sqrt(v) and sqrt(v) / c are alive together, the previous denominator still bound
+    return float(max([2 * b + a for a, b in zip([0.0] + stepped, stepped)] + [0.0])), norm
+
+
 def predicted_terms(doc: dict, mesh, *, train: bool, device_type: str, baseline: float,
-                    shm_axes=()) -> dict:
+                    shm_axes=(), optimizer: str = "adamw", grad_norm: bool = True) -> dict:
     """The predicted per-rank peak of this export and its terms, in bytes (see the module doc);
     ``total`` is the prediction. ``shm_axes``: the mesh axes whose collectives go through
-    shared memory (``DistributedBackend.transports``)."""
+    shared memory (``DistributedBackend.transports``); ``optimizer``: run.py's ``--optimizer``;
+    ``grad_norm``: whether the step takes the global gradient norm (``--nan-policy`` other
+    than ``ignore``, or ``--clip-grad-norm``)."""
     mem = (doc.get("cost") or {}).get("memory") or {}
     if "peak" not in mem:
         return {}
@@ -150,7 +188,14 @@ def predicted_terms(doc: dict, mesh, *, train: bool, device_type: str, baseline:
     # while loading: the blocks already copied and the pages of the file touched (own rows, or
     # the whole tensor where a rank's block is columns)
     terms["loading"] = float(own + touched)
-    training = compute + terms["grad_buckets"] + terms["spare_buffers"]
+    opt_temps, norm_temps = step_temporaries(doc, mesh, optimizer) if cpu and train else (0.0, 0.0)
+    terms["optimizer_temps"] = opt_temps
+    terms["grad_norm_temps"] = norm_temps if grad_norm else 0.0
+    # at the optimizer step the activations and gathered units are gone; the state and the
+    # step's temporaries are there
+    held = terms["params"] + terms["buffers"] + terms["grads"] + terms["optimizer"]
+    step = held + max(terms["optimizer_temps"], terms["grad_norm_temps"])
+    training = max(compute, step) + terms["grad_buckets"] + terms["spare_buffers"]
     terms["training"] = training
     terms["total"] = terms["baseline"] + terms["shm_segments"] + max(terms["loading"], training)
     return terms
@@ -167,13 +212,14 @@ def report_line(rank: int, measured: float, predicted: float) -> str:
 
 
 def report(rank: int, mesh, doc: dict, *, train: bool, device, baseline: float, shm_axes=(), metrics=None,
-           say=print) -> list:
+           say=print, optimizer: str = "adamw", grad_norm: bool = True) -> list:
     """Every rank's measured peak and prediction, gathered on every rank (a collective: call on
     all); rank 0 prints one :func:`report_line` per rank (``say``) and records them in the
     ``metrics`` file: its last line (the last step's) gets ``"memory": [{"rank",
     "measured_bytes", "predicted_bytes"}, ...]`` and ``"memory_terms"`` (rank 0's prediction
     by term), so the file stays one JSON line per step. Returns [(measured, predicted), ...]."""
-    terms = predicted_terms(doc, mesh, train=train, device_type=device.type, baseline=baseline, shm_axes=shm_axes)
+    terms = predicted_terms(doc, mesh, train=train, device_type=device.type, baseline=baseline, shm_axes=shm_axes,
+                            optimizer=optimizer, grad_norm=grad_norm)
     mine = torch.tensor([float(measured_peak(device.type)), terms.get("total", 0.0)], dtype=torch.float64,
                         device=device)
     rows = [torch.empty_like(mine) for _ in range(mesh.size)]
@@ -197,3 +243,17 @@ def _record(path, ranks: list, terms: dict) -> None:
     last.update(memory=ranks, memory_terms=terms)
     lines[-1] = json.dumps(last)
     p.write_text("\n".join(lines) + "\n")
+
+
+def trace(phase: str) -> None:
+    """With ``AUTOSHARD_MEMORY_TRACE=1`` in the environment, one stderr line per call and rank:
+    ``memtrace rank R PHASE rss X hwm Y`` (MiB), where a step's high-water mark rises (a
+    debugging aid for the prediction's terms; nothing otherwise).
+
+    >>> trace("forward")    # silent unless AUTOSHARD_MEMORY_TRACE=1
+    """
+    if os.environ.get("AUTOSHARD_MEMORY_TRACE") != "1":
+        return
+    b = process_bytes()
+    print(f"memtrace rank {os.environ.get('RANK', '0')} {phase} rss {b.get('VmRSS', 0) / 2**20:.0f} "
+          f"hwm {b.get('VmHWM', 0) / 2**20:.0f}", file=sys.stderr, flush=True)

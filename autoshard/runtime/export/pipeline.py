@@ -288,17 +288,8 @@ def rank_loop(pp: PipelineProgram, user: list, *, steps: int, optimizer: str = "
                 o_ok, res["worst_out"], p1 = compare_outputs(pp, ref, rtol, atol, R)
                 g_ok, res["worst_grad"], p2 = R.compare_grads(pp.doc, pp.mesh, pp.rank, pp.params, ref, rtol, atol)
                 res["ok"], res["problems"] = o_ok and g_ok, p1 + p2
-        value = pp.step_loss(loss)
-        skipped = R.nonfinite_step(pp, step + 1, value, None, nan_policy)
-        if skipped:
-            pp.opt.zero_grad(set_to_none=True)
-        else:
-            pp.step()
-        sync()
-        dt = time.perf_counter() - t0
-        res["losses"].append(value)
-        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms  ({what})"
-            + (f"  {skipped}" if skipped else ""))
+        R.finish_step(pp, res, step + 1, steps, pp.step_loss(loss), t0, nan_policy=nan_policy, sync=sync, say=say,
+                      note=f"  ({what})")
     r = pp.doc.get("reference") or {}
     if ref is not None and ref.get("params") and (steps, optimizer, lr) == (r.get("steps"), r.get("optimizer"),
                                                                          r.get("lr")):

@@ -27,6 +27,7 @@ from autoshard.runtime.execution.clip import clip_grad_norm_, global_grad_norm
 from .checks import compare_grads, compare_outputs, global_sum
 from .errors import NonFiniteError
 from .inputs import _planned_value
+from .memory import trace
 from .plan_file import _pipeline, _this
 from .weights import Weights
 
@@ -90,8 +91,10 @@ class RankProgram:
     def train_step(self, user: list):
         """Forward and backward of one step on the global inputs ``user``: the local loss."""
         loss = self.forward(user)[self.doc["loss_output"]]
+        trace("forward")
         # ones of the local loss shape: right for every owner (see autoshard's Plan.run_rank)
         loss.backward(torch.ones_like(loss))
+        trace("backward")
         return loss
 
     def step_loss(self, loss) -> float:
@@ -120,6 +123,7 @@ class RankProgram:
     def step(self):
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        trace("optimizer step")
 
 
 def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adamw", lr: float = 1e-3,
@@ -159,17 +163,33 @@ def rank_loop(rp: RankProgram, user: list, *, steps: int, optimizer: str = "adam
                 o_ok, res["worst_out"], p1 = compare_outputs(doc, mesh, rp.rank, outs, ref, rtol, atol)
                 g_ok, res["worst_grad"], p2 = compare_grads(doc, mesh, rp.rank, rp.params, ref, rtol, atol)
                 res["ok"], res["problems"] = o_ok and g_ok, p1 + p2
-        value = global_sum(loss, loss_place, mesh)
-        skipped = nonfinite_step(rp, step + 1, value, None, nan_policy)
-        if skipped:
-            rp.opt.zero_grad(set_to_none=True)
-        else:
-            rp.step()
-        sync()
-        dt = time.perf_counter() - t0
-        res["losses"].append(value)
-        say(f"step {step + 1}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms" + (f"  {skipped}" if skipped else ""))
+        finish_step(rp, res, step + 1, steps, global_sum(loss, loss_place, mesh), t0,
+                    nan_policy=nan_policy, sync=sync, say=say)
     return res
+
+
+def finish_step(rp, res: dict, step: int, steps: int, value: float, t0: float, *, nan_policy: str, sync, say,
+                note: str = "") -> None:
+    """The end of training step ``step`` of ``steps`` (1-based) of a ``rank_loop``, plain or
+    pipelined, whose global loss is ``value``: the ``--nan-policy`` verdict
+    (:func:`nonfinite_step`; it raises under ``stop``), then the optimizer step, or under
+    ``skip-step`` the gradients dropped instead; ``sync()`` for the device, the loss appended to
+    ``res["losses"]`` and the step's line said: loss, time since ``t0``, ``note`` and why skipped.
+
+    Example::
+
+        finish_step(rp, res, 1, 2, value, t0, nan_policy="stop", sync=lambda: None, say=print)
+        # step 1/2  loss 4.399001  time 12.3 ms
+    """
+    skipped = nonfinite_step(rp, step, value, None, nan_policy)
+    if skipped:
+        rp.opt.zero_grad(set_to_none=True)
+    else:
+        rp.step()
+    sync()
+    dt = time.perf_counter() - t0
+    res["losses"].append(value)
+    say(f"step {step}/{steps}  loss {value:.6f}  time {dt * 1e3:.1f} ms{note}" + (f"  {skipped}" if skipped else ""))
 
 
 def agreed(rp, flags) -> list:

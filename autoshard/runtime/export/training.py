@@ -161,7 +161,7 @@ def prepare_training(root: Path, doc: dict, args) -> dict:
             manifest = ckpt.read_manifest(loop["resume"])
         except ckpt.CheckpointError as e:
             raise RunError(f"--resume: {e}") from None
-        loop["warnings"] += [f"--resume skipped {name}: {why}" for name, why in skipped]
+        loop["warnings"] += ckpt.skipped_warnings(skipped, "--resume")
         loop["warnings"] += resume_mismatches(loop["resume"], manifest, args)
         loop["warnings"] += grad_accum_mismatch(loop["resume"], manifest, args)
     if args.ckpt:

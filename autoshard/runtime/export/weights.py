@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from autoshard.runtime.execution import checkpoint as ckpt
+from autoshard.runtime.execution.checkpoint import skipped_warnings
 from autoshard.runtime.execution import weights_dcp
 from autoshard.runtime.execution.local import SliceSource
 
@@ -112,7 +113,7 @@ def read_safetensors(src: Path) -> dict:
     return state
 
 
-def read_checkpoint(src, prefix: str | None = None) -> dict:
+def read_checkpoint(src, prefix: str | None = None, skipped: list | None = None) -> dict:
     """The ``--weights`` state by plan FQN: a torch.save state dict (memory-mapped), a
     ``.safetensors`` file, a Hugging Face checkpoint directory or a DCP checkpoint (autoshard's,
     a ``--ckpt`` directory's newest, or a plain ``torch.distributed.checkpoint.save`` directory:
@@ -120,13 +121,14 @@ def read_checkpoint(src, prefix: str | None = None) -> dict:
     export's directory gives the ``weights.pt`` it wrote. ``prefix``
     (``--weights-prefix``) is where the checkpoint's keys live in the planned module: it is
     prepended to every key, so with ``self.model = hf_model`` and prefix ``model`` the
-    checkpoint's ``lm_head.weight`` is the plan's ``model.lm_head.weight``."""
+    checkpoint's ``lm_head.weight`` is the plan's ``model.lm_head.weight``. The newer checkpoints
+    of a ``--ckpt`` directory that do not verify are appended to ``skipped`` as ``(name, why)``."""
     src = Path(src)
     if (src / "plan.json").is_file() and (src / "weights.pt").is_file():
         src = src / "weights.pt"  # another export of the same model: the weights it wrote
     if weights_dcp.is_dcp(src):  # an autoshard or plain DCP checkpoint, or a --ckpt directory
         try:
-            state = weights_dcp.read_dcp(src)
+            state = weights_dcp.read_dcp(src, skipped)
         except ckpt.CheckpointError as e:
             raise RunError(str(e) if "hint:" in str(e) else f"{e} (hint: check the --weights path)") from None
     elif src.is_dir() or src.suffix == ".safetensors":
@@ -165,6 +167,7 @@ class Weights:
         sources = []
         ckpt = checkpoint or recorded_checkpoint(root, doc)
         self.partial_note = None
+        self.warnings: list = []  # e.g. the newer incomplete checkpoints of a --ckpt directory skipped
         w = doc["weights"]
         files = [(w.get("file", "weights.pt"), "weights file")] if w.get("file", "weights.pt") else []
         if w.get("buffers"):
@@ -174,7 +177,9 @@ class Weights:
             raise RunError(f"this export has no weights: {why} (hint: run.py --weights SRC)")
         if ckpt:
             # the export's checkpoint comes with the export's prefix; a --weights one with its own
-            state = read_checkpoint(ckpt, prefix if checkpoint else w.get("prefix"))
+            skipped: list = []
+            state = read_checkpoint(ckpt, prefix if checkpoint else w.get("prefix"), skipped)
+            self.warnings = skipped_warnings(skipped, "--weights" if checkpoint else "the export's checkpoint")
             self.partial_note = check_checkpoint_keys(state, doc, ckpt, allow_partial)
             sources.append(state)
         for name, what in files:

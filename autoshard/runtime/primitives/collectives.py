@@ -797,7 +797,7 @@ def reshard_after_forward():
     def pack(t):
         hit = rctx.reshard_live.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if hit is None:
-            return t
+            return t.detach()  # not t: a saved output would hold its own node (see SavedBytes.hooks)
         source, index = hit
         regathered.setdefault(source.tag, [None, 0, source])[1] += 1
         last_use[source.tag] = next(clock)

@@ -59,6 +59,16 @@ class SavedBytes:
     def exclude(self, tensors) -> None:
         self.excluded |= {t.untyped_storage().data_ptr() for t in tensors}
 
+    def hold(self, t: torch.Tensor):
+        """Count ``t`` as held for backward besides autograd's saved tensors (a pipeline
+        stage's sent value, kept for its gradient); returns the key :meth:`release` takes."""
+        return self._add(t)
+
+    def release(self, key) -> None:
+        """Stop counting what :meth:`hold` counted (``key`` None: nothing was)."""
+        if key is not None:
+            self._drop(key)
+
     def _add(self, t: torch.Tensor):
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -97,7 +107,11 @@ class SavedBytes:
                     tracker._drop(self.key)
 
         def pack(t):
-            value = inner_pack(t) if inner_pack is not None else t
+            # Kept detached: a saved output holding itself (its grad_fn is the node saving it)
+            # would make a cycle that outlives the graph whenever a backward retains it (a
+            # zero-bubble B) and a later one does not reach that node. Unpacking re-attaches
+            # the saved variable's own autograd edge, so backward sees the same tensor.
+            value = inner_pack(t) if inner_pack is not None else t.detach()
             # a tensor the inner hooks replaced by a token (a released ZeRO-3 gather) is not held
             key = tracker._add(t) if value is t or isinstance(value, torch.Tensor) else None
             return _Held(value, key)
