@@ -89,6 +89,7 @@ def _is_view(node) -> bool:
 class SavedCounter:
     """Counts, over a program's nodes in order, the bytes autograd first keeps for each
     node's backward (see the module docstring). ``rg``: the nodes that require grad."""
+    rules = SAVES  # op -> what its backward keeps; a subclass may count by another table
 
     def __init__(self, graph, rg: set):
         self.rg = rg
@@ -119,7 +120,7 @@ class SavedCounter:
         """Bytes newly kept for ``node``'s backward (0 if it is not differentiated)."""
         if node not in self.rg or _is_view(node):
             return 0
-        rule = SAVES.get(node.target)
+        rule = self.rules.get(node.target)
         if rule is None:
             return self._bytes(node) if out_bytes else 0
         return self.add_rule(node, rule)

@@ -74,6 +74,8 @@ def copy_counter(reshard_tags=(), user_names=None):
     state, ``cost.saved.STATE_PREFIXES``, nor made by the pipeline's receives)."""
 
     class CopyCounter(SavedCounter):
+        rules = COPY_SAVES
+
         def __init__(self, graph, rg):
             super().__init__(graph, rg)
             users = user_names if user_names is not None else {
@@ -86,14 +88,6 @@ def copy_counter(reshard_tags=(), user_names=None):
                 return 0
             self.seen.add(b)
             return _nbytes(b)
-
-        def add(self, node, out_bytes: int = 0) -> int:
-            if node not in self.rg or _is_view(node):
-                return 0
-            rule = COPY_SAVES.get(node.target)
-            if rule is None:
-                return self._bytes(node) if out_bytes else 0
-            return self.add_rule(node, rule)
 
     return CopyCounter
 
