@@ -164,11 +164,11 @@ def explain(plan) -> str:
         return "\n".join([head + " The layout was given, not searched: there is no runner-up to compare with."]
                          + ctx)
     lines = [head] + ctx
-    lines.append(f"The search looked at {res.space_size} candidates on {len(getattr(res, 'meshes', [res.mesh]))} "
+    lines.append(f"The search looked at {res.space_size} candidates on {len(res.meshes)} "
                  f"mesh shape(s), evaluated {res.evaluated} exactly ({res.rewrites} rewrites"
                  + (", repeated blocks solved once" if res.reduced else "")
                  + f") and ruled out the rest by lower bounds, in {res.seconds:.2f} s.")
-    lines += gqa_explanation(plan, fixed=getattr(res, "constraints", {}))
+    lines += gqa_explanation(plan, fixed=res.constraints)
     if res.memory_limit is not None and res.infeasible:
         lines.append(f"{res.infeasible} candidates exceed memory_limit {gb(res.memory_limit)} per rank (their state "
                      f"and activations alone, or their evaluated peak).")
