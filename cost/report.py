@@ -164,8 +164,10 @@ def explain(plan) -> str:
         return "\n".join([head + " The layout was given, not searched: there is no runner-up to compare with."]
                          + ctx)
     lines = [head] + ctx
+    taken = (f", took {res.taken} combinations of axis options in the order of their bounds (the rest bounded "
+             f"out without being enumerated)" if res.taken is not None else "")
     lines.append(f"The search looked at {res.space_size} candidates on {len(res.meshes)} "
-                 f"mesh shape(s), evaluated {res.evaluated} exactly ({res.rewrites} rewrites"
+                 f"mesh shape(s){taken}, evaluated {res.evaluated} exactly ({res.rewrites} rewrites"
                  + (", repeated blocks solved once" if res.reduced else "")
                  + f") and ruled out the rest by lower bounds, in {res.seconds:.2f} s.")
     lines += gqa_explanation(plan, fixed=res.constraints)

@@ -65,6 +65,7 @@ from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, _r
 
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
+from .lazy_search import LazyCandidates, floors, most_named, product_size, seed_combinations, use_lazy
 from autoshard.cost.context_parallel import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
@@ -333,6 +334,7 @@ class SearchResult:
     best_infeasible: Optional[Evaluated] = None  # the fastest candidate over memory_limit, if faster
     meshes: list = field(default_factory=list)
     constraints: dict = field(default_factory=dict)  # the layout entries the search kept fixed
+    taken: Optional[int] = None  # combinations taken in bound order, where the space was taken lazily
 
     @property
     def layout(self) -> dict:
@@ -422,6 +424,8 @@ class SearchSpace:
         self._state: dict = {}
         self._nu: dict = {}
         self._cands = None
+        self._per_axis = None  # per_axis_options()
+        self._overlapping: list = []
         self._cb_cache: dict = {}
         self._ob_cache: dict = {}
         self._uo_cache: dict = {}  # units of one axis -> whether they split two dims of a tensor
@@ -672,51 +676,70 @@ class SearchSpace:
         and duplicates (same units) removed. Cached."""
         if self._cands is not None:
             return self._cands
-        overlapping = self._overlapping_names()
-        per_axis = [[self._option(a, s, overlapping) for s in self.axis_options(a)] for a in self.mesh.names]
         seen = {}
         self.invalid = 0
-        for combo in itertools.product(*per_axis):
-            cand = Candidate(tuple(o.pair for o in combo))
-            if any(o.softs for o in combo):
-                softs = [n for o in combo for n in o.softs]
-                if (len(set(softs)) < len(softs) or len(set(softs) - set(self.fixed_soft)) > 1
-                        or set(softs) & {n for o in combo for n in o.pair[1]}):
-                    continue  # a name soft on two axes, or soft on one and hard on another; one searched soft name
-            if overlapping:
-                has1 = has2 = differ = 0
-                for o in combo:
-                    has1 |= o.first
-                    has2 |= o.second
-                    differ |= o.first ^ o.second
-                if has1 & has2 & differ:
-                    # two names splitting the same leading atoms on different axes would split one
-                    # dim by both in no nesting the rewrite knows (the heads on dp, kv heads on tp)
-                    self.invalid += 1
-                    continue
-            multi = len(frozenset().union(*(o.pair[1] for o in combo))) < sum(o.count for o in combo)
-            if multi or self.extra:
-                # a name on several axes (its units depend on all of them), or glob entries
-                try:
-                    resolved = self._cand_units(cand)
-                except self._LayoutError:
-                    self.invalid += 1
-                    continue
-                units = resolved.units
-                if not self._units_ok(units):
-                    self.invalid += 1
-                    continue
-                key = tuple((a, tuple(sorted(units[a])), tuple(sorted(resolved.soft.get(a, ()))))
-                            for a in self.mesh.names)
-            else:
-                # one axis per name: the units are the names' own, checked per axis already
-                key = tuple(o.key for o in combo)
+        for combo in itertools.product(*self.per_axis_options()):
+            got = self.combination(combo)
+            if got is None:
+                continue
+            cand, key, count = got
             prev = seen.get(key)
             # Same units, same program: keep the one naming the most dims (it says what is split).
-            if prev is None or sum(o.count for o in combo) > sum(len(s) for _, s in prev.axes):
-                seen[key] = cand
-        self._cands = list(seen.values())
+            if prev is None or count > prev[1]:
+                seen[key] = (cand, count)
+        self._cands = [c for c, _ in seen.values()]
         return self._cands
+
+    def per_axis_options(self) -> list:
+        """Per mesh axis (in mesh order), its options as the enumeration reads them
+        (:meth:`_option`). Cached."""
+        if self._per_axis is None:
+            self._overlapping = self._overlapping_names()
+            self._per_axis = [[self._option(a, s, self._overlapping) for s in self.axis_options(a)]
+                              for a in self.mesh.names]
+        return self._per_axis
+
+    def combination(self, combo) -> Optional[tuple]:
+        """(candidate at zero stage 0, units key, names it holds) of one option per axis
+        (:meth:`per_axis_options`), or None where the space refuses the combination (counted
+        in ``invalid`` where the rewrite would refuse it). Candidates with the same key give
+        the rewrite the same units: the same program."""
+        cand = Candidate(tuple(o.pair for o in combo))
+        if any(o.softs for o in combo):
+            softs = [n for o in combo for n in o.softs]
+            if (len(set(softs)) < len(softs) or len(set(softs) - set(self.fixed_soft)) > 1
+                    or set(softs) & {n for o in combo for n in o.pair[1]}):
+                return None  # a name soft on two axes, or soft on one and hard on another; one searched soft name
+        if self._overlapping:
+            has1 = has2 = differ = 0
+            for o in combo:
+                has1 |= o.first
+                has2 |= o.second
+                differ |= o.first ^ o.second
+            if has1 & has2 & differ:
+                # two names splitting the same leading atoms on different axes would split one
+                # dim by both in no nesting the rewrite knows (the heads on dp, kv heads on tp)
+                self.invalid += 1
+                return None
+        count = sum(o.count for o in combo)
+        multi = len(frozenset().union(*(o.pair[1] for o in combo))) < count
+        if multi or self.extra:
+            # a name on several axes (its units depend on all of them), or glob entries
+            try:
+                resolved = self._cand_units(cand)
+            except self._LayoutError:
+                self.invalid += 1
+                return None
+            units = resolved.units
+            if not self._units_ok(units):
+                self.invalid += 1
+                return None
+            key = tuple((a, tuple(sorted(units[a])), tuple(sorted(resolved.soft.get(a, ()))))
+                        for a in self.mesh.names)
+        else:
+            # one axis per name: the units are the names' own, checked per axis already
+            key = tuple(o.key for o in combo)
+        return cand, key, count
 
     def _option(self, axis, names: frozenset, overlapping: list) -> "_AxisOption":
         """What the enumeration reads of one axis option, computed once per option rather than
@@ -1413,7 +1436,7 @@ def _split_seconds(cm, node, outs, P: int) -> float:
 
 
 def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: bool = False,
-                  refine: bool = True, incumbent=None) -> SearchResult:
+                  refine: bool = True, incumbent=None, lazy: Optional[bool] = None) -> SearchResult:
     """Best-first branch and bound over ``space``.
 
     Every candidate gets a cheap lower bound (its compute, each op split as far as the axes
@@ -1426,7 +1449,11 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     ``incumbent``, costs found on other meshes), so the best ``keep`` are exactly the best of the
     space. Candidates over ``memory_limit`` (state plus least activations, then the evaluated
     peak) are skipped. ``progress(done, total, best)`` is called after each evaluation; with ``verbose``
-    (or once the search has run 3 s) a progress line goes to stderr every 2 s."""
+    (or once the search has run 3 s) a progress line goes to stderr every 2 s.
+
+    ``lazy``: take the combinations of axis options in the order of a bound per option
+    (``cost/lazy_search.py``) instead of enumerating their product; None: when the product is
+    large (:data:`~autoshard.cost.lazy_search.LAZY_ABOVE`). The result is the same optimum."""
     t0 = time.perf_counter()
     # The search reads the rewritten graphs, never runs them: their GraphModules generate
     # and compile Python code only if called (a third of a rewrite's time otherwise).
@@ -1434,7 +1461,7 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     with _collector_paused(), warnings.catch_warnings(), lazy_programs(), unchanged_graphs():
         # ops without a rule warn once, when the chosen plan is built, not per candidate
         warnings.simplefilter("ignore", UnsupportedOpWarning)
-        return _search(space, keep, progress, verbose, refine, incumbent, t0)
+        return _search(space, keep, progress, verbose, refine, incumbent, t0, lazy)
 
 
 @contextlib.contextmanager
@@ -1451,36 +1478,68 @@ def _collector_paused():
             gc.enable()
 
 
-def _search(space, keep, progress, verbose, refine, incumbent, t0):
-    pairs = space.space()
+def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
     limit = space.memory_limit
     heap = []
     infeasible = 0
-    for k, c in enumerate(pairs):
-        try:
-            if c.zero_stage:
-                space._placed(c)  # a ZeRO stage needs a data axis: LayoutError without one
-            if limit is not None and space.memory_bound(c) > limit:
-                infeasible += 1
-                continue
-            cb = space.compute_bound(c)
-            heap.append((cb, k, c, 4 if not refine else 0, cb))
-        except space._LayoutError:
-            space.invalid += 1
-            continue
-    heapq.heapify(heap)
-    total = len(heap)
+    ids = itertools.count()
+    lazily = use_lazy(space, lazy)
+    seen: dict = {}  # lazily: units key -> the candidate taken for it (same units, same program)
+
+    def admit(cands, bound: float = 0.0) -> list:
+        """Push each (candidate, stage) pair with its compute bound (or ``bound``, if larger);
+        the ones pushed, as (id, candidate)."""
+        nonlocal infeasible
+        out = []
+        for c in cands:
+            k = next(ids)
+            try:
+                if c.zero_stage:
+                    space._placed(c)  # a ZeRO stage needs a data axis: LayoutError without one
+                if limit is not None and space.memory_bound(c) > limit:
+                    infeasible += 1
+                    continue
+                cb = space.compute_bound(c)
+                item = (max(cb, bound), k, c, 4 if not refine else 0, cb)
+                if lazily:
+                    heapq.heappush(heap, item)
+                else:
+                    heap.append(item)
+                out.append((k, c))
+            except space._LayoutError:
+                space.invalid += 1
+        return out
+
+    def admit_combination(combo, bound: float = 0.0) -> list:
+        got = space.combination(combo)
+        if got is None or got[1] in seen:
+            return []
+        seen[got[1]] = got[0]
+        return admit([Candidate(got[0].axes, z, r) for z, r in space._stage_options], bound)
+
+    if lazily:
+        total = product_size(space)
+        seeds = [(sum(o.count for o in combo), k, c) for combo in seed_combinations(space)
+                 for k, c in admit_combination(combo)]
+        least = sum(floors(space))
+    else:
+        pairs = space.space()
+        admit(pairs)
+        heapq.heapify(heap)
+        total = len(pairs)
+        seeds = [(sum(len(s) for _, s in c.axes), k, c) for _, k, c, _, _ in heap]
+        least = min((h[0] for h in heap), default=0.0) + floors(space)[1]
     found: list = []
     over = None
     evaluated = 0
     popped = 0
-    invalid = space.invalid
+    invalid = 0  # in the loop below; space.invalid counts the enumeration's
     last_print = t0
     notes = []
-    # No candidate's step is below the least compute bound: once ``keep`` costs are known, a
-    # one-axis rewrite whose blocking collectives reach (keep-th cost - that) seconds has bound
-    # out every candidate with its axis option, and stops there (SearchSpace._axis_records).
-    least = min((h[0] for h in heap), default=0.0)
+    # No candidate's step is below ``least`` (the least compute bound, or taken lazily the compute
+    # floor, plus the optimizer floor): once ``keep`` costs are known, a one-axis rewrite whose blocking
+    # collectives reach (keep-th cost - that) seconds has bound out every candidate with its
+    # axis option, and stops there (SearchSpace._axis_records).
 
     def update_budget():
         # first against the best cost (bounding out most axis options after a collective or
@@ -1498,7 +1557,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
         # model): the plans sharding least are the likely best, and their costs, known first,
         # let the one-axis rewrites stop early. They are evaluated first; the search is
         # otherwise unchanged.
-        for _, k, c, _, _ in sorted(heap, key=lambda h: (sum(len(s) for _, s in h[2].axes), h[2].zero_stage, h[1])):
+        for _, k, c in sorted(seeds, key=lambda h: (h[0], h[2].zero_stage, h[1])):
             if evaluated >= 2 * keep or len(found) >= keep:
                 break
             seeded.add(k)
@@ -1515,8 +1574,18 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
                 if over is None or cost.step_time < over.cost.step_time:
                     over = Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh)
         found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
-    update_budget()
-    while heap:
+    costs = update_budget()
+    # taken lazily: every option's one-axis records (stopping at the budget just set), then the
+    # combinations in the order of their bounds, each taken once it may come before the heap's top
+    stream = LazyCandidates(space) if lazily else None
+    while True:
+        if stream is not None:
+            threshold = costs[keep - 1] if len(costs) >= keep else math.inf
+            while stream.peek() is not None and stream.peek() < threshold and (not heap or stream.peek() <= heap[0][0]):
+                bound, combo = stream.pop()
+                admit_combination(combo, bound)
+        if not heap:
+            break
         lb, k, c, level, base = heapq.heappop(heap)
         costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
         if len(costs) >= keep and lb >= costs[keep - 1]:
@@ -1544,18 +1613,20 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
             # known, then all the communication the candidate cannot avoid (one-axis rewrites
             # for the rest: skipped where the known axes already bound the candidate out)
             try:
+                # (each step keeps the larger of its bound and the one the candidate came with:
+                # taken lazily, that is its combination's bound)
                 if level == 0:
-                    base = lb + space.optimizer_bound(c)
-                    heapq.heappush(heap, (base, k, c, 1, base))
+                    base = base + space.optimizer_bound(c)  # ``base`` was the compute bound
+                    heapq.heappush(heap, (max(lb, base), k, c, 1, base))
                     continue
                 cb, complete = space.cached_comm_bound(c) if level == 1 else (space.comm_bound(c), True)
                 if not complete:
-                    heapq.heappush(heap, (base + cb, k, c, 2, base))
+                    heapq.heappush(heap, (max(lb, base + cb), k, c, 2, base))
                     continue
                 # compute, blocking communication and optimizer in sequence; or, in training,
                 # the whole comm stream's forward and backward work, then the optimizer
                 nxt = max(base + cb, space.optimizer_bound(c) + space.stream_bound(c, cb))
-                heapq.heappush(heap, (nxt, k, c, 3, base))
+                heapq.heappush(heap, (max(lb, nxt), k, c, 3, base))
             except space._LayoutError:  # e.g. a ZeRO stage without a data axis
                 invalid += 1
             continue
@@ -1573,7 +1644,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
             continue
         found.append(Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh))
         found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
-        update_budget()
+        costs = update_budget()
         now = time.perf_counter()
         if progress is not None:
             progress(popped, total, found[0])
@@ -1584,12 +1655,18 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0):
                   f"({found[0].candidate.describe()})", file=sys.stderr, flush=True)
     if not found and total and limit is not None:
         notes.append(f"no candidate fits memory_limit={limit:.4g} bytes per rank")
+    if lazily:
+        # the whole enumeration reports, of candidates with the same units, the one naming most
+        for e in found[:keep] + ([over] if over is not None else []):
+            e.candidate = most_named(space, e.candidate)
+            e.layout = e.candidate.layout(space.names, space.extra)
     best = found[0] if found else None
     if over is not None and best is not None and over.cost.step_time >= best.cost.step_time * (1 - 1e-9):
         over = None
-    return SearchResult(best, found[1:keep], space.mesh, len(pairs), evaluated,
+    return SearchResult(best, found[1:keep], space.mesh, total, evaluated,
                         space.rewrites, time.perf_counter() - t0, space.reduced is not None, limit,
-                        infeasible, invalid, notes, over, [space.mesh])
+                        infeasible, invalid + space.invalid, notes, over, [space.mesh],
+                        taken=stream.taken if stream is not None else None)
 
 
 def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = False, zero_stage=None,
@@ -1646,4 +1723,5 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
                         time.perf_counter() - t0, all(r.reduced for r in results), memory_limit,
                         sum(r.infeasible for r in results), sum(r.invalid for r in results),
                         [n for r in results for n in r.notes], over, [m for m in meshes if any(r.mesh == m for r in results)],
-                        dict(constraints or {}))
+                        dict(constraints or {}),
+                        None if all(r.taken is None for r in results) else sum(r.taken or 0 for r in results))

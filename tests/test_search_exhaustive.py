@@ -71,16 +71,28 @@ def exhaustive_minimum(cap, info, mesh, cm, train, memory_limit):
 
 
 def check_optimal(cap, info, mesh, cm, train, memory_limit=None):
+    """The search's best equals brute force's, with the space's combinations enumerated whole
+    and taken lazily in bound order (cost/lazy_search.py), whichever the space's size picks."""
     best, n_valid, n_space = exhaustive_minimum(cap, info, mesh, cm, train, memory_limit)
-    space = SearchSpace(cap.graph, cap.inputs, info, mesh, cm, train=train, memory_limit=memory_limit)
-    res = search_layout(space)
+    results = []
+    for lazy in (False, True):
+        space = SearchSpace(cap.graph, cap.inputs, info, mesh, cm, train=train, memory_limit=memory_limit)
+        res = search_layout(space, lazy=lazy)
+        results.append(res)
+        if best is None:
+            assert res.best is None
+            continue
+        assert res.best is not None, "the search found nothing, brute force found a plan"
+        assert math.isclose(res.best.cost.step_time, best[0], rel_tol=1e-9, abs_tol=1e-15), \
+            (lazy, res.best.candidate.describe(), res.best.cost.step_time, best[1].describe(), best[0])
     if best is None:
-        assert res.best is None
         return None
-    assert res.best is not None, "the search found nothing, brute force found a plan"
-    assert math.isclose(res.best.cost.step_time, best[0], rel_tol=1e-9, abs_tol=1e-15), \
-        (res.best.candidate.describe(), res.best.cost.step_time, best[1].describe(), best[0])
-    return res, n_valid
+    eager, lazy = results
+    # the same plans, named alike: the lazy order reports, of candidates with the same units,
+    # the one naming the most dims, as the whole enumeration does
+    assert [e.candidate for e in [eager.best] + eager.alternatives] == [e.candidate for e in [lazy.best] + lazy.alternatives] or \
+        [e.cost.step_time for e in [eager.best] + eager.alternatives] == [e.cost.step_time for e in [lazy.best] + lazy.alternatives]
+    return eager, n_valid
 
 
 @pytest.mark.parametrize("name", sorted(STRUCTURED))

@@ -115,6 +115,9 @@ STRUCTURED = {
     # with BatchNorm, and a decoder with rotary attention (name classes, stopped one-axis rewrites)
     "cnn-inputs-tp4-train": lambda: (_inputs_only(plain_models.cnn(train=True)), Mesh({"tp": 4}), "h100", True),
     "gpt-inputs-tp4-train": lambda: (_inputs_only(plain_models.gpt()), Mesh({"tp": 4}), "h100", True),
+    # the small CNN on two axes: a product of axis options large enough to be taken lazily
+    "cnn-inputs-dp2tp2-train": lambda: (_inputs_only(plain_models.cnn(train=True)), Mesh({"dp": 2, "tp": 2}), "h100",
+                                        True),
 }
 
 

@@ -1,0 +1,210 @@
+"""The layout search's space taken lazily: combinations of axis options, least bound first.
+
+The space is a product, one option (a set of names) per mesh axis, and on small models with
+only the inputs named the product runs to tens of thousands of combinations (dozens of
+projection names, each open on every axis). Most of them are bounded out by the same fact: the
+collectives one axis's option cannot avoid cost more than the best plans found. This module
+turns that into a lower bound per option that holds whatever the other axes pick, so the
+combinations can be taken cheapest first (:class:`~autoshard.cost.lazy_product.LazyProduct`)
+and the rest are never enumerated.
+
+The bound of a combination is ``compute floor + optimizer floor + sum over axes of the option's
+floor``:
+
+- **compute floor**: every op split by every axis that has some option touching it (the
+  search's compute bound is monotone in the axes splitting an op, so this is at most any
+  candidate's);
+- **optimizer floor** (training): one step kernel per trainable parameter tensor, the
+  ``n * op_overhead`` term of the optimizer phase, whatever the placement or ZeRO stage;
+- **option floor** on axis ``a``: the blocking collectives of the option's one-axis rewrite (the
+  records behind the communication bound, ``SearchSpace._axis_records``), each moving its bytes
+  divided by every other axis. A candidate whose units on ``a`` are the option's own has at
+  least these collectives on ``a``, each at least that large (``SearchSpace._comm_bound``).
+  The units differ only where a name of the option is also on another axis and gets other
+  units there (query heads split first by one axis, then inside by another): such an option's
+  floor is 0. A parameter's own conversions are left out where the option may be the data axis
+  of a ZeRO 2/3 candidate (its parameters are stored sharded there).
+
+Each term is at most the matching term of the search's own bound (compute + optimizer +
+communication), so the combinations never taken have a bound at least the cost of the
+``keep``-th plan found: the result is the exhaustive optimum, as with the whole product.
+
+Example::
+
+    space = SearchSpace(graph, inputs, info, Mesh({"dp": 2, "tp": 2}), cm, train=True)
+    lazy = LazyCandidates(space)        # one-axis records of every option, then sorted
+    bound, combo = lazy.pop()           # the combination with the least bound
+    cand, key, count = space.combination(combo)
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Optional
+
+import torch
+
+from autoshard.ownership import Shard
+from autoshard.passes.soft import SOFT_MARK
+
+from .lazy_product import LazyProduct
+from .model import collective_seconds
+
+# A space whose product of axis options is at most this is enumerated whole: the lazy order
+# needs every option's one-axis rewrite first, which costs more than bounding a few hundred
+# combinations (and on big, compute-bound models the bounds of the whole product prune well).
+LAZY_ABOVE = 1000
+
+
+def use_lazy(space, lazy: Optional[bool] = None) -> bool:
+    """Whether to take ``space``'s combinations lazily: ``lazy`` if given, else when the
+    product of its axis options is over :data:`LAZY_ABOVE`. Never with glob constraints (their
+    units are resolved per whole layout)."""
+    if space.extra:
+        return False
+    if lazy is not None:
+        return lazy
+    return math.prod(len(o) for o in space.per_axis_options()) > LAZY_ABOVE
+
+
+def product_size(space) -> int:
+    """Combinations of axis options times state sharding levels (before the validity and
+    duplicate checks)."""
+    return math.prod(len(o) for o in space.per_axis_options()) * len(space._stage_options)
+
+
+def floors(space) -> tuple:
+    """(compute floor, optimizer floor): at most any candidate's compute bound and optimizer
+    phase (see the module's docstring)."""
+    every = {a: {n.rstrip(SOFT_MARK) for o in opts for n in o.pair[1]}
+             for a, opts in zip(space.mesh.names, space.per_axis_options())}
+    compute = 0.0
+    for touch, table in space._groups.items():
+        s = frozenset(a for a, names in every.items() if names & touch and space.mesh.axes[a] > 1)
+        compute += table[s][0]
+    opt = 0.0
+    if space.train:
+        n = sum(cnt for i, cnt in zip(space._st_inputs, space._st_counts)
+                if i.kind == "parameter" and i.trainable and isinstance(space.vals.get(i.name), torch.Tensor))
+        opt = n * space.cm.hardware.device.op_overhead
+    return compute, opt
+
+
+def _fragile(space, name, axis) -> bool:
+    """Whether ``name`` gets other units on ``axis`` when it is on other axes too."""
+    key = ("fragile", name, axis)
+    if key not in space._nu:
+        alone = sorted(space._name_units(axis).get(name) or ())
+        out = False
+        for k in range(2, len(space.mesh.names) + 1):
+            for sub in itertools.combinations(space.mesh.names, k):
+                if axis not in sub:
+                    continue
+                try:
+                    r = space._units({name: sub})
+                except space._LayoutError:
+                    continue
+                out = out or sorted(r.units[axis]) != alone
+        space._nu[key] = out
+    return space._nu[key]
+
+
+def _may_be_data_axis(space, opt) -> bool:
+    """Whether the option's hard units split a user input (the batch)."""
+    users = {i.name for i in space._st_inputs if i.kind == "user"}
+    try:
+        places = space._axis_placements(opt.key[1])
+    except space._LayoutError:
+        return True
+    return any(isinstance(p, Shard) for n, p in places.items() if n in users)
+
+
+def option_floor(space, axis, opt, zero_sharded: bool) -> float:
+    """Seconds of blocking communication on ``axis`` every candidate holding ``opt`` there pays
+    at least (see the module's docstring). ``zero_sharded``: ZeRO 2/3 is in the space."""
+    names = opt.pair[1]
+    if space.mesh.axes[axis] == 1 or not names:
+        return 0.0
+    if any(_fragile(space, n, axis) for n in names if not n.endswith(SOFT_MARK)):
+        return 0.0
+    got = space._axis_records(axis, names)
+    if got is None:
+        return 0.0
+    skip_param = zero_sharded and _may_be_data_axis(space, opt)
+    others = math.prod(n for b, n in space.mesh.axes.items() if b != axis)
+    total = 0.0
+    for (kind, nbytes, _touch, is_param), mult in got[1].items():
+        if is_param and skip_param:
+            continue
+        total += mult * collective_seconds(space.cm, space.mesh, kind, (axis,), nbytes / others)
+    return total
+
+
+class LazyCandidates:
+    """The combinations of ``space``'s axis options, least bound first (see the module's
+    docstring). Makes every option's one-axis records first (with the space's
+    ``records_budget``, so set that first where known)."""
+
+    def __init__(self, space):
+        zero_sharded = any(z >= 2 for z, _ in space._stage_options)
+        self.options, values = [], []
+        self.floor: dict = {}  # (axis, names) -> that option's floor
+        for axis, opts in zip(space.mesh.names, space.per_axis_options()):
+            scored = sorted((option_floor(space, axis, o, zero_sharded), i) for i, o in enumerate(opts))
+            self.options.append([opts[i] for _, i in scored])
+            values.append([x for x, _ in scored])
+            self.floor.update((opts[i].pair, x) for x, i in scored)
+        self.base = sum(floors(space))
+        self._product = LazyProduct(values)
+        self.taken = 0
+
+    def bound(self, cand) -> float:
+        """The bound of ``cand``'s combination (what :meth:`pop` returns with it)."""
+        return self.base + sum(self.floor[pair] for pair in cand.axes)
+
+    def peek(self) -> Optional[float]:
+        """The bound of the next combination (None when none is left)."""
+        s = self._product.peek()
+        return None if s is None else self.base + s
+
+    def pop(self) -> tuple:
+        """(bound, combination: one option per axis) of the next combination."""
+        s, idx = self._product.pop()
+        self.taken += 1
+        return self.base + s, tuple(opts[i] for opts, i in zip(self.options, idx))
+
+
+def seed_combinations(space) -> list:
+    """Combinations naming the fewest dims (at most one more than the least per axis), fewest
+    first: on a latency-bound model the likely best, evaluated before the lazy order starts so
+    that the one-axis rewrites can stop early."""
+    small = []
+    for opts in space.per_axis_options():
+        low = min(o.count for o in opts)
+        small.append([o for o in opts if o.count <= low + 1])
+    return sorted(itertools.product(*small), key=lambda c: sum(o.count for o in c))
+
+
+def most_named(space, cand):
+    """``cand`` with, per axis, the options giving the same program and naming the most dims
+    (what the whole enumeration keeps of candidates with the same units; the lazy order keeps
+    the first it meets)."""
+    groups, start = [], []
+    for (axis, names), opts in zip(cand.axes, space.per_axis_options()):
+        own = next(o for o in opts if o.pair == (axis, names))
+        start.append(own)
+        groups.append([o for o in opts if o.key == own.key])
+    invalid = space.invalid
+    try:
+        got = space.combination(tuple(start))
+        if got is None:
+            return cand
+        key, best, most = got[1], cand.axes, got[2]
+        for combo in itertools.product(*groups):
+            r = space.combination(combo)
+            if r is not None and r[1] == key and r[2] > most:
+                best, most = r[0].axes, r[2]
+    finally:
+        space.invalid = invalid
+    return dataclasses.replace(cand, axes=best)
