@@ -43,13 +43,11 @@ import itertools
 import math
 from typing import Optional
 
-import torch
-
 from autoshard.ownership import Shard
 from autoshard.passes.soft import SOFT_MARK
 
 from .lazy_product import LazyProduct
-from .model import collective_seconds
+from .model import _state_inputs, collective_seconds
 
 # A space whose product of axis options is at most this is enumerated whole: the lazy order
 # needs every option's one-axis rewrite first, which costs more than bounding a few hundred
@@ -84,9 +82,9 @@ def floors(space) -> tuple:
         s = frozenset(a for a, names in every.items() if names & touch and space.mesh.axes[a] > 1)
         compute += table[s][0]
     opt = 0.0
-    if space.train:
-        n = sum(cnt for i, cnt in zip(space._st_inputs, space._st_counts)
-                if i.kind == "parameter" and i.trainable and isinstance(space.vals.get(i.name), torch.Tensor))
+    if space.train:  # optimizer_work's tensor count: the same inputs whatever their placements
+        n = sum(cnt for *_, cnt in _state_inputs(space._st_inputs, space.vals, [None] * len(space._st_inputs), {},
+                                                 space._st_counts))
         opt = n * space.cm.hardware.device.op_overhead
     return compute, opt
 
@@ -97,15 +95,14 @@ def _fragile(space, name, axis) -> bool:
     if key not in space._nu:
         alone = sorted(space._name_units(axis).get(name) or ())
         out = False
-        for k in range(2, len(space.mesh.names) + 1):
-            for sub in itertools.combinations(space.mesh.names, k):
-                if axis not in sub:
-                    continue
-                try:
-                    r = space._units({name: sub})
-                except space._LayoutError:
-                    continue
-                out = out or sorted(r.units[axis]) != alone
+        for sub in (s for k in range(2, len(space.mesh.names) + 1)
+                    for s in itertools.combinations(space.mesh.names, k) if axis in s):
+            try:
+                out = sorted(space._units({name: sub}).units[axis]) != alone
+            except space._LayoutError:
+                continue
+            if out:
+                break
         space._nu[key] = out
     return space._nu[key]
 
@@ -146,7 +143,7 @@ class LazyCandidates:
     docstring). Makes every option's one-axis records first (with the space's
     ``records_budget``, so set that first where known)."""
 
-    def __init__(self, space):
+    def __init__(self, space, base: Optional[float] = None):
         zero_sharded = any(z >= 2 for z, _ in space._stage_options)
         self.options, values = [], []
         self.floor: dict = {}  # (axis, names) -> that option's floor
@@ -155,7 +152,7 @@ class LazyCandidates:
             self.options.append([opts[i] for _, i in scored])
             values.append([x for x, _ in scored])
             self.floor.update((opts[i].pair, x) for x, i in scored)
-        self.base = sum(floors(space))
+        self.base = sum(floors(space)) if base is None else base  # ``base``: that sum, if known
         self._product = LazyProduct(values)
         self.taken = 0
 

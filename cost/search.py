@@ -1577,7 +1577,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
     costs = update_budget()
     # taken lazily: every option's one-axis records (stopping at the budget just set), then the
     # combinations in the order of their bounds, each taken once it may come before the heap's top
-    stream = LazyCandidates(space) if lazily else None
+    stream = LazyCandidates(space, base=least) if lazily else None
     while True:
         if stream is not None:
             threshold = costs[keep - 1] if len(costs) >= keep else math.inf

@@ -10,6 +10,7 @@
 """
 import itertools
 import random
+import sys
 import warnings
 
 import pytest
@@ -23,7 +24,7 @@ from autoshard.cost.model import CostModel
 from autoshard.cost.search import SearchSpace, search_layout
 
 from tests.helpers import hf_zoo, plain_models
-from tests.helpers.search_cases import prepared
+from tests.helpers.search_cases import inputs_only, prepared
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -43,17 +44,15 @@ def test_lazy_product_refuses_unsorted_values():
         LazyProduct([[1.0, 0.0]])
 
 
-def _space(model, args, dims, mesh, train=True):
-    cap, info = prepared(model, args, {k: v for k, v in dims.items() if "." not in k and "*" not in k}, True)
-    return SearchSpace(cap.graph, cap.inputs, info, mesh, CostModel(load_hardware("h100")), train=train)
 
 
 def test_a_combinations_bound_is_at_most_each_of_its_candidates_own_bound():
     """Every candidate (each ZeRO stage) of the plain GPT with only its inputs named on
     dp=2 x tp=2: the lazy bound <= compute bound + optimizer phase + communication bound, the
     bound the search itself stops on. The one-axis records are rewritten whole (no budget)."""
-    model, args, dims = plain_models.gpt()
-    space = _space(model, args, dims, Mesh({"dp": 2, "tp": 2}))
+    cap, info = prepared(*inputs_only(plain_models.gpt()))
+    space = SearchSpace(cap.graph, cap.inputs, info, Mesh({"dp": 2, "tp": 2}), CostModel(load_hardware("h100")),
+                        train=True)
     lazy = LazyCandidates(space)
     checked = 0
     for c in space.space():
@@ -61,7 +60,9 @@ def test_a_combinations_bound_is_at_most_each_of_its_candidates_own_bound():
             own = space.compute_bound(c) + space.optimizer_bound(c) + space.comm_bound(c)
         except autoshard.LayoutError:
             continue
-        assert lazy.bound(c) <= own * (1 + 1e-12), (c.describe(), lazy.bound(c), own)
+        # both sides are float sums of the same non-negative terms or smaller ones, in other orders
+        # (a few hundred terms): a rounding slack of that many ulps, nothing more
+        assert lazy.bound(c) <= own * (1 + 512 * sys.float_info.epsilon), (c.describe(), lazy.bound(c), own)
         checked += 1
     assert checked > 1000
     # and it is not vacuous: most combinations carry a positive communication floor

@@ -88,8 +88,9 @@ def check_optimal(cap, info, mesh, cm, train, memory_limit=None):
     if best is None:
         return None
     eager, lazy = results
-    # the same plans, named alike: the lazy order reports, of candidates with the same units,
-    # the one naming the most dims, as the whole enumeration does
+    # the same plans: the same candidates (the lazy order reports, of candidates with the same
+    # units, the one naming the most dims, as the whole enumeration does), or the same costs
+    # where plans of different units tie and the two orders meet them differently
     assert [e.candidate for e in [eager.best] + eager.alternatives] == [e.candidate for e in [lazy.best] + lazy.alternatives] or \
         [e.cost.step_time for e in [eager.best] + eager.alternatives] == [e.cost.step_time for e in [lazy.best] + lazy.alternatives]
     return eager, n_valid

@@ -99,7 +99,7 @@ def random_case(seed: int):
     return model, (x,), model.dims(), mesh, CostModel(random_hardware(r), overlap=r.random() < 0.7), train, r
 
 
-def _inputs_only(model_args_dims):
+def inputs_only(model_args_dims):
     """The model with only its inputs named: every parameter dim gets a module-derived name,
     as when the search runs without weight annotations (autoshard.passes.param_names)."""
     model, args, dims = model_args_dims
@@ -113,10 +113,10 @@ STRUCTURED = {
     "gpt2-tp4": lambda: (gpt2_tiny(with_labels=True), Mesh({"tp": 4}), "cpu-gloo", False),
     # only the inputs named, every dim open (the space the search meets on a first try): a CNN
     # with BatchNorm, and a decoder with rotary attention (name classes, stopped one-axis rewrites)
-    "cnn-inputs-tp4-train": lambda: (_inputs_only(plain_models.cnn(train=True)), Mesh({"tp": 4}), "h100", True),
-    "gpt-inputs-tp4-train": lambda: (_inputs_only(plain_models.gpt()), Mesh({"tp": 4}), "h100", True),
+    "cnn-inputs-tp4-train": lambda: (inputs_only(plain_models.cnn(train=True)), Mesh({"tp": 4}), "h100", True),
+    "gpt-inputs-tp4-train": lambda: (inputs_only(plain_models.gpt()), Mesh({"tp": 4}), "h100", True),
     # the small CNN on two axes: a product of axis options large enough to be taken lazily
-    "cnn-inputs-dp2tp2-train": lambda: (_inputs_only(plain_models.cnn(train=True)), Mesh({"dp": 2, "tp": 2}), "h100",
+    "cnn-inputs-dp2tp2-train": lambda: (inputs_only(plain_models.cnn(train=True)), Mesh({"dp": 2, "tp": 2}), "h100",
                                         True),
 }
 
