@@ -38,7 +38,6 @@ Example::
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from typing import Optional
@@ -46,24 +45,46 @@ from typing import Optional
 from autoshard.ownership import Shard
 from autoshard.passes.soft import SOFT_MARK
 
+from .candidate import Candidate
 from .lazy_product import LazyProduct
 from .model import _state_inputs, collective_seconds
 
 # A space whose product of axis options is at most this is enumerated whole: the lazy order
 # needs every option's one-axis rewrite first, which costs more than bounding a few hundred
-# combinations (and on big, compute-bound models the bounds of the whole product prune well).
+# combinations.
 LAZY_ABOVE = 1000
+# About how many combinations the whole enumeration bounds in the time of one one-axis rewrite
+# (tens of microseconds a combination, tens of milliseconds a rewrite of a cut-down graph). On a
+# compute-bound model the rewrites behind the option floors run whole, and the whole product's
+# bounds prune well: there the lazy order pays only for products larger than this many
+# combinations per option (the 70B Mesh.auto search's dp=8 x tp=8, 1,225 combinations of 70
+# options, is faster enumerated whole).
+PAIRS_PER_REWRITE = 300
+
+
+def latency_bound(space) -> bool:
+    """Whether the model's compute, split only as the constraints fix (the least-sharding
+    candidate, the most compute of any), is worth at most ten collective latencies: a small
+    model, whose best plans shard least and whose one-axis rewrites stop after a collective or
+    two once those plans' costs are known."""
+    latency = min((collective_seconds(space.cm, space.mesh, "all_reduce", (a,), 0.0)
+                   for a, n in space.mesh.axes.items() if n > 1), default=0.0)
+    least = tuple(min(opts, key=lambda o: o.count).pair for opts in space.per_axis_options())
+    return space.compute_bound(Candidate(least)) <= 10 * latency
 
 
 def use_lazy(space, lazy: Optional[bool] = None) -> bool:
     """Whether to take ``space``'s combinations lazily: ``lazy`` if given, else when the
-    product of its axis options is over :data:`LAZY_ABOVE`. Never with glob constraints (their
-    units are resolved per whole layout)."""
+    product of its axis options is over :data:`LAZY_ABOVE` and the model is latency-bound
+    (:func:`latency_bound`), or the product is over :data:`PAIRS_PER_REWRITE` times the number
+    of options. Never with glob constraints (their units are resolved per whole layout)."""
     if space.extra:
         return False
     if lazy is not None:
         return lazy
-    return math.prod(len(o) for o in space.per_axis_options()) > LAZY_ABOVE
+    opts = space.per_axis_options()
+    n = math.prod(len(o) for o in opts)
+    return n > LAZY_ABOVE and (latency_bound(space) or n > PAIRS_PER_REWRITE * sum(len(o) for o in opts))
 
 
 def product_size(space) -> int:
@@ -204,4 +225,4 @@ def most_named(space, cand):
                 best, most = r[0].axes, r[2]
     finally:
         space.invalid = invalid
-    return dataclasses.replace(cand, axes=best)
+    return Candidate(best, cand.zero_stage, cand.reshard)

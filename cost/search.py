@@ -59,13 +59,15 @@ from autoshard.mesh import Mesh, factorizations
 from autoshard.ownership import R, Replicate, data_axes
 from autoshard.passes.dims import infer_dims, module_of
 from autoshard.passes.program import build_program, choose_storage
-from autoshard.passes.soft import SOFT_MARK, SoftLayoutError, is_soft, soft_layout_value, split_soft
+from autoshard.passes.soft import SOFT_MARK, SoftLayoutError, is_soft, split_soft
 from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, _resolve_entry, input_placements,
                                   lazy_programs, requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
 
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
-from .lazy_search import LazyCandidates, floors, most_named, product_size, seed_combinations, use_lazy
+from .candidate import Candidate
+from .lazy_search import (LazyCandidates, floors, latency_bound, most_named, product_size, seed_combinations,
+                          use_lazy)
 from autoshard.cost.context_parallel import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
@@ -275,34 +277,6 @@ def expand_segments(segments, family: str, n_blocks: int, kept: int) -> Optional
 
 
 # =========================================================================== the space
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the search space: per mesh axis the names it shards, and the state
-    sharding level (``zero_stage``; ``reshard`` for stage 3)."""
-
-    axes: tuple  # ((axis, frozenset(names)), ...) in mesh order
-    zero_stage: int = 0
-    reshard: Optional[bool] = None
-
-    def layout(self, names, extra: dict) -> dict:
-        """A complete layout: every name -> its axes in mesh order (``None`` when whole),
-        plus the user's constraint entries that are not names (globs, inferred names)."""
-        out = {}
-        for n in names:
-            axes = tuple(a for a, s in self.axes if n in s)
-            soft = tuple(a for a, s in self.axes if n + SOFT_MARK in s)  # "seq?": a soft entry
-            out[n] = axes or (soft_layout_value(soft) if soft else None)
-        out.update(extra)
-        return out
-
-    def describe(self) -> str:
-        parts = []
-        for a, s in self.axes:
-            parts.append(f"{a}: {'+'.join(sorted(s)) if s else '-'}")
-        z = f"; zero {self.zero_stage}" + ("" if self.reshard is None else f" reshard={self.reshard}")
-        return ", ".join(parts) + (z if self.zero_stage else "")
 
 
 @dataclass
@@ -1550,9 +1524,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
         return costs
 
     seeded = set()
-    latency = min((collective_seconds(space.cm, space.mesh, "all_reduce", (a,), 0.0)
-                   for a, n in space.mesh.axes.items() if n > 1), default=0.0)
-    if refine and heap and max(h[0] for h in heap) <= 10 * latency:
+    if refine and heap and latency_bound(space):
         # The whole compute unsplit is worth a few collective latencies (a small, latency-bound
         # model): the plans sharding least are the likely best, and their costs, known first,
         # let the one-axis rewrites stop early. They are evaluated first; the search is
