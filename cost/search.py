@@ -1458,7 +1458,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
     infeasible = 0
     ids = itertools.count()
     lazily = use_lazy(space, lazy)
-    seen: dict = {}  # lazily: units key -> the candidate taken for it (same units, same program)
+    seen: set = set()  # lazily: units keys taken (same units, same program)
 
     def admit(cands, bound: float = 0.0) -> list:
         """Push each (candidate, stage) pair with its compute bound (or ``bound``, if larger);
@@ -1488,7 +1488,7 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
         got = space.combination(combo)
         if got is None or got[1] in seen:
             return []
-        seen[got[1]] = got[0]
+        seen.add(got[1])
         return admit([Candidate(got[0].axes, z, r) for z, r in space._stage_options], bound)
 
     if lazily:
