@@ -169,7 +169,10 @@ class LazyCandidates:
         self.options, values = [], []
         self.floor: dict = {}  # (axis, names) -> that option's floor
         for axis, opts in zip(space.mesh.names, space.per_axis_options()):
-            scored = sorted((option_floor(space, axis, o, zero_sharded), i) for i, o in enumerate(opts))
+            # fewest names first: a larger option's budgeted records are often a smaller one's
+            # (cost/prefix_records.py)
+            got = {i: option_floor(space, axis, opts[i], zero_sharded) for i in by_count(opts)}
+            scored = sorted((x, i) for i, x in got.items())
             self.options.append([opts[i] for _, i in scored])
             values.append([x for x, _ in scored])
             self.floor.update((opts[i].pair, x) for x, i in scored)
@@ -191,6 +194,22 @@ class LazyCandidates:
         s, idx = self._product.pop()
         self.taken += 1
         return self.base + s, tuple(opts[i] for opts, i in zip(self.options, idx))
+
+
+def by_count(opts) -> list:
+    """Indices of axis options ``opts``, fewest names first."""
+    return sorted(range(len(opts)), key=lambda i: opts[i].count)
+
+
+def warm_records(space) -> None:
+    """Every axis option's one-axis records, fewest names first, at the space's current budget:
+    taken in that order, an option's budgeted records are often a smaller option's
+    (cost/prefix_records.py), where the search's own order (least compute first: most names
+    first) would rewrite each."""
+    for axis, opts in zip(space.mesh.names, space.per_axis_options()):
+        if space.mesh.axes[axis] > 1:
+            for i in by_count(opts):
+                space._axis_records(axis, opts[i].pair[1])
 
 
 def seed_combinations(space) -> list:

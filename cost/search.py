@@ -62,12 +62,14 @@ from autoshard.passes.program import build_program, choose_storage
 from autoshard.passes.soft import SOFT_MARK, SoftLayoutError, is_soft, split_soft
 from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, _resolve_entry, input_placements,
                                   lazy_programs, requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
+from autoshard.passes.untouched import prefix_units
 
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
 from .candidate import Candidate
+from .prefix_records import PrefixRecords
 from .lazy_search import (LazyCandidates, floors, latency_bound, most_named, product_size, seed_combinations,
-                          use_lazy)
+                          use_lazy, warm_records)
 from autoshard.cost.context_parallel import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
@@ -432,6 +434,7 @@ class SearchSpace:
         # seconds of blocking communication that bound a candidate out (set by the search):
         # one-axis rewrites stop there (:meth:`_axis_records`); None: rewrite them whole
         self.records_budget: Optional[float] = None
+        self._prefix: Optional[PrefixRecords] = None  # budgeted records by the units deciding them
         self._prepare_bounds()
 
     # ------------------------------------------------------------------ enumeration
@@ -1090,9 +1093,12 @@ class SearchSpace:
         of the program's (the rewrite emits collectives in program order and, building no
         graph, never removes one), so every bound they give is still a lower bound, and one
         high enough to bound out every candidate with this axis option (see :func:`_search`).
-        Such partial records carry the space that made them; another space (another mesh
-        shape) makes its own. Aggregated without the repeated-block multiplicity (a part of a
-        block proves no steady state)."""
+        Such partial records carry the space that made them and what their collectives cost
+        (they serve every budget up to that); another space (another mesh shape) makes its own.
+        Aggregated without the repeated-block multiplicity (a part of a block proves no steady
+        state). An option whose units decide the same as another's up to the node where that
+        one's budgeted rewrite stopped takes its records without a rewrite
+        (cost/prefix_records.py)."""
 
         size = self.mesh.axes[axis]
         key = self._records_key(axis, names)
@@ -1110,12 +1116,27 @@ class SearchSpace:
         emitted = (_Budgeted(self._budget_seconds(axis, grad), budget) if budget is not None and math.isfinite(budget)
                    else [])
         partial = False
+        stopped: dict = {}
+        shared_units = None  # the units, where budgeted records may be shared (cost/prefix_records.py)
         try:
             resolved = resolve_layout(self._named_red, layout1, mesh1)
+            kwargs = self.context.rewrite_kwargs(graph, info, resolved, mesh1)
+            if isinstance(emitted, _Budgeted) and not kwargs:
+                shared_units = prefix_units(resolved)
+            if shared_units is not None:
+                if self._prefix is None:
+                    self._prefix = PrefixRecords(graph, info)
+                got = self._prefix.find(shared_units, budget)
+                if got is not None:  # the same collectives up to where another option's rewrite stopped
+                    (agg, g_agg), reached = got
+                    out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))),
+                           agg, g_agg, (self, reached))
+                    cache[key] = out
+                    return out
             self.rewrites += 1
             with lazy_programs():
                 rewrite(graph, info, resolved, mesh1, grad, self.display, collectives_only=True, collectives=emitted,
-                        **self.context.rewrite_kwargs(graph, info, resolved, mesh1))
+                        stopped=stopped, **kwargs)
         except _OverBudget:
             partial = True
         except self._LayoutError:
@@ -1143,10 +1164,21 @@ class SearchSpace:
         # the gradient syncs, aggregated the same way (their own steady-state check)
         g_agg = self._aggregate([((c.kind, c.bytes, self._touched(nodes.get(c.node), info), True), blk)
                                  for c, blk in grad_recs], r)
+        # partial records bound out every budget up to what their collectives cost
         out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg, g_agg,
-               (self, budget) if partial else None)
+               (self, emitted.spent) if partial else None)
+        if partial and shared_units is not None:
+            self._prefix.add(shared_units, stopped["position"], emitted.spent, (agg, g_agg))
         cache[key] = out
         return out
+
+    def stopped_records(self, cand: Candidate) -> bool:
+        """Whether a known one-axis record of ``cand``'s axes stopped at a budget."""
+        for a, names in cand.axes:
+            got = self._shared.get(self._records_key(a, names)) if self.mesh.axes[a] > 1 else None
+            if got and got[3] is not None:
+                return True
+        return False
 
     def complete_records(self, cand: Candidate, budget: float) -> bool:
         """Rewrite again, up to ``budget`` seconds (``math.inf``: whole), the one-axis records of
@@ -1353,12 +1385,12 @@ class _Budgeted(list):
 
     def __init__(self, seconds, budget: float):
         super().__init__()
-        self._seconds, self._left = seconds, budget
+        self._seconds, self._budget, self.spent = seconds, budget, 0.0
 
     def append(self, c):
         super().append(c)
-        self._left -= self._seconds(c)
-        if self._left <= 0:
+        self.spent += self._seconds(c)
+        if self.spent >= self._budget:
             raise _OverBudget()
 
 
@@ -1516,37 +1548,64 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
     # axis option, and stops there (SearchSpace._axis_records).
 
     def update_budget():
-        # first against the best cost (bounding out most axis options after a collective or
-        # two); records that stopped there are rewritten against the keep-th cost before a
-        # candidate relying on them is evaluated (SearchSpace.complete_records)
+        # against the keep-th cost (bounding out most axis options after a collective or two);
+        # records that stopped there are rewritten whole before a candidate relying on them is
+        # evaluated (SearchSpace.complete_records)
         costs = sorted([e.cost.step_time for e in found] + list(incumbent or ()))
         space.records_budget = costs[keep - 1] - least if len(costs) >= keep else None
         return costs
 
     seeded = set()
+
+    def seed(k, c):
+        nonlocal evaluated, infeasible, invalid, over
+        seeded.add(k)
+        try:
+            cost = space.evaluate(c)
+        except space._LayoutError:  # e.g. a ZeRO stage without a data axis
+            invalid += 1
+            return
+        evaluated += 1
+        if cost.fits(limit):
+            found.append(Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh))
+            found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+        else:
+            infeasible += 1
+            if over is None or cost.step_time < over.cost.step_time:
+                over = Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh)
+
+    def refined(c) -> tuple:
+        # (whether a one-axis rewrite of c stopped at the budget, the bound of level 3 below)
+        try:
+            cb, ob = space.comm_bound(c), space.optimizer_bound(c)
+            return (space.stopped_records(c), max(space.compute_bound(c) + ob + cb, ob + space.stream_bound(c, cb)))
+        except space._LayoutError:
+            return (True, math.inf)
+
     if refine and heap and latency_bound(space):
         # The whole compute unsplit is worth a few collective latencies (a small, latency-bound
         # model): the plans sharding least are the likely best, and their costs, known first,
         # let the one-axis rewrites stop early. They are evaluated first; the search is
-        # otherwise unchanged.
-        for _, k, c in sorted(seeds, key=lambda h: (h[0], h[2].zero_stage, h[1])):
+        # otherwise unchanged. The least-sharding plan first; then, with its cost as a
+        # provisional budget (the seeds' one-axis rewrites stop at their first collective), the
+        # other seeds at ZeRO stage 0 whose rewrites ran whole first (no blocking collective
+        # reached the budget: plans needing none give the keep-th cost, and with it the budget,
+        # its least value), least bound first.
+        order = sorted(seeds, key=lambda h: (h[0], h[2].zero_stage, h[1]))
+        seed(order[0][1], order[0][2])
+        rest = [((False, 0.0), h) for h in order[1:]]
+        if found:
+            space.records_budget = found[0].cost.step_time - least
+            rest = sorted(((refined(h[2]), h) for _, h in rest if not h[2].zero_stage),
+                          key=lambda r: (r[0], r[1][0], r[1][1]))
+            space._cb_cache.clear()  # (bounds from records at the provisional budget)
+        for _, (_, k, c) in rest:
             if evaluated >= 2 * keep or len(found) >= keep:
                 break
-            seeded.add(k)
-            try:
-                cost = space.evaluate(c)
-            except space._LayoutError:  # e.g. a ZeRO stage without a data axis
-                invalid += 1
-                continue
-            evaluated += 1
-            if cost.fits(limit):
-                found.append(Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh))
-            else:
-                infeasible += 1
-                if over is None or cost.step_time < over.cost.step_time:
-                    over = Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh)
-        found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+            seed(k, c)
     costs = update_budget()
+    if seeded and space.records_budget is not None:
+        warm_records(space)
     # taken lazily: every option's one-axis records (stopping at the budget just set), then the
     # combinations in the order of their bounds, each taken once it may come before the heap's top
     stream = LazyCandidates(space, base=least) if lazily else None

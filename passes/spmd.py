@@ -54,6 +54,7 @@ from .regions import no_grad_node
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
                     get_path, is_inplace, is_tensor_node, shape_of)
 from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
+from .untouched import first_reads, input_prefixes, untouched_prefix, whole_inputs
 from .zero_storage import ZeroStorage
 from .zigzag import zigzag_dim
 
@@ -239,6 +240,7 @@ class _Rewriter:
         self.hook_state: dict = {}  # per-rewrite state of placement-change hooks (conversions.Step.memo)
         self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
         self.tag = 0  # the next collective tag (new_tags)
+        self.position = -1  # index in graph.nodes of the node being rewritten
         self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
         self.unit_index: dict = {}  # (axis, soft) -> _unit_index's answer
         self.unit_memo: dict = {}  # (atoms, axis, soft) -> unit (the layout is fixed for one rewrite)
@@ -366,8 +368,21 @@ class _Rewriter:
         input_places = []
         out_places = []
         placeholders, use_places = [], {}
-        for node in self.g0.nodes:
-            if node.op == "placeholder":
+        # building no graph, the nodes before the layout's first touch are recorded whole
+        whole, whole_in = 0, frozenset()
+        if isinstance(self.g, _CollectivesOnly):
+            whole = untouched_prefix(self, _memo_value(self.g0, self.info, "first_reads", first_reads))
+            whole_in = whole_inputs(self, _memo_value(self.g0, self.info, "input_prefixes", input_prefixes))
+        for self.position, node in enumerate(self.g0.nodes):
+            if node.op == "call_function" and self.position < whole:
+                self.visit_whole(node)
+            elif node in whole_in:  # (a tensor input no unit of the layout splits)
+                self.local[node] = node
+                placeholders.append((node.name, "input", len(input_places)))
+                use_places[node.name] = tuple(R for _ in self.axes)
+                self.place[node] = [use_places[node.name]]
+                input_places.append(use_places[node.name])
+            elif node.op == "placeholder":
                 new = self.g.placeholder(node.name)
                 new.meta = dict(node.meta)
                 self.local[node] = new
@@ -414,6 +429,21 @@ class _Rewriter:
         return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
                        self.collectives, self.fallbacks, placeholders, frozenset(zero.reshard_tags),
                        dict(zero.storage), use_places, bucketed)
+
+    def visit_whole(self, node: fx.Node):
+        """A node before the layout's first touch (passes/untouched.py), in a rewrite building no
+        graph: every operand and result whole on every rank, the captured node standing for its
+        local value (the same shape and dtype), as a whole input's placeholder does."""
+        whole = tuple(R for _ in self.axes)
+        ix = self.info.indexing.get(node)
+        if node.target is GETITEM or ix.kind in ("view", "creation"):
+            n = 1
+        elif isinstance(node.meta.get("val"), (tuple, list)):
+            n = len(node.meta["val"])
+        else:
+            n = len(ix.outputs)
+        self.local[node] = node
+        self.place[node] = [whole] * n
 
     def meta_local(self, val, place):
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
@@ -801,6 +831,17 @@ def unchanged_graphs():
         _graph_memo = None
 
 
+def _memo_value(graph: fx.Graph, info, what: str, fn):
+    """``fn(graph, info)``, computed once per graph and DimInfo inside :func:`unchanged_graphs`."""
+    if _graph_memo is None:
+        return fn(graph, info)
+    key = (id(graph), id(info), what)
+    got = _graph_memo.get(key)
+    if got is None or got[0] is not graph or got[1] is not info:  # (both kept alive with it)
+        got = _graph_memo[key] = (graph, info, fn(graph, info))
+    return got[2]
+
+
 def _memo_nodes(graph: fx.Graph, what: str, names, fn):
     if _graph_memo is None:
         return fn(graph, names)
@@ -859,7 +900,8 @@ def lazy_programs():
 def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: set, display=None,
             storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
             collectives_only: bool = False, region_axis=None,
-            user_inputs=(), data_axes=(), collectives: Optional[list] = None) -> Program:
+            user_inputs=(), data_axes=(), collectives: Optional[list] = None,
+            stopped: Optional[dict] = None) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
@@ -873,7 +915,9 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     values' gradient sums on ``data_axes`` (the axes that split them, ``ownership.data_axes``)
     are not deferred under gradient accumulation. ``collectives``: the list the collectives are
     appended to as the rewrite emits them, in program order (the layout search passes one that
-    stops a one-axis rewrite once what it has emitted already bounds the candidates out)."""
+    stops a one-axis rewrite once what it has emitted already bounds the candidates out).
+    ``stopped``: set, when the rewrite ends, to ``{"position": index in graph.nodes of the node it
+    was at}`` (where such a list stopped it)."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = _memo_nodes(graph, "requires_grad", grad_inputs, requires_grad_nodes)
@@ -884,6 +928,8 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     try:
         return rewriter.run()
     finally:
+        if stopped is not None:
+            stopped["position"] = rewriter.position
         # the rewriter and its lowering refer to each other: without that cycle its tables are
         # freed as soon as it is dropped, not by the cyclic collector (the search makes hundreds)
         rewriter.lowering = None

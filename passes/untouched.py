@@ -1,0 +1,122 @@
+"""Where a layout first touches a captured graph: the nodes before it compute whole.
+
+The rewrite gives a dim a unit of the layout only where the unit is a prefix of the dim's leaf
+atoms (``_Rewriter.unit_of``). :func:`first_reads` tabulates, for every such prefix, the first
+node (not a placeholder: a placeholder's placement matters where it is read) that reads or
+writes a value with a dim it is a prefix of (with soft entries, a hard unit reaches as far as
+its leading atom: :func:`reach`). Before the first node a layout's units reach, every
+value read or written has no dim split by the layout and every operand is whole on every rank
+(induction over the nodes), so each op is computed whole: no conversion, no collective, no
+error. A rewrite that builds no graph (``collectives_only``: the layout search's one-axis
+programs, which the search rewrites hundreds of times and stops early) records those nodes as
+whole without deciding each (:func:`untouched_prefix`).
+
+Example::
+
+    >>> first = first_reads(graph, info)                  # doctest: +SKIP
+    >>> untouched_prefix(rewriter, first)                 # doctest: +SKIP
+    112
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from torch import fx
+
+from .rules import GETITEM, is_tensor_node
+
+
+def first_reads(graph: fx.Graph, info) -> dict:
+    """{unit: index in ``graph.nodes`` of the first node (not a placeholder) that reads or
+    writes a value with a dim whose leaf atoms start with that unit}, for every prefix of
+    every dim's leaf atoms.
+
+    Example::
+
+        >>> first_reads(graph, info)[(3,)]                # doctest: +SKIP
+        117
+    """
+    first: dict = {}
+    for i, node in enumerate(graph.nodes):
+        if node.op == "placeholder":
+            continue
+        for v in (node, *node.all_input_nodes):
+            for dims in info.dims.get(v, ()):
+                for atoms in dims:
+                    if not atoms:
+                        continue
+                    lv = tuple(info.leaves(atoms))
+                    for k in range(1, len(lv) + 1):
+                        first.setdefault(lv[:k], i)
+    return first
+
+
+def input_prefixes(graph: fx.Graph, info) -> dict:
+    """{tensor placeholder: every prefix of its dims' leaf atoms}: a layout none of whose units
+    is among them leaves the input whole (a soft entry never splits an input)."""
+    out = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and node in info.dims and is_tensor_node(node):
+            out[node] = frozenset(lv[:k] for dims in info.dims[node] for atoms in dims if atoms
+                                  for lv in (tuple(info.leaves(atoms)),) for k in range(1, len(lv) + 1))
+    return out
+
+
+def whole_inputs(rw, prefixes: dict) -> frozenset:
+    """The tensor placeholders that ``rw``'s layout leaves whole on every axis (no unit of it is a
+    prefix of their dims' leaves: :func:`input_prefixes`), where the rewrite records them whole
+    without placing each (as :func:`untouched_prefix`: empty where that is 0 for the layout)."""
+    units = prefix_units(rw.layout)
+    if (units is None or rw.fixed or rw.zero.storage or rw.grad_sync.bucket_uses
+            or rw.grad_sync.region_axis is not None):
+        return frozenset()
+    hard = frozenset(units[0])
+    return frozenset(n for n, pre in prefixes.items() if pre.isdisjoint(hard))
+
+
+def reach(first: dict, unit: tuple, soft: bool) -> float:
+    """Index of the first node at which ``unit`` of a layout can decide anything (``math.inf``:
+    none). A hard unit of an axis that also has soft entries decides from the first node with a
+    dim starting with the unit's leading atom: a soft entry splits only values that no hard
+    unit's leading atom claims (``passes/soft.py``)."""
+    return first.get(unit[:1] if soft else unit, math.inf)
+
+
+def prefix_units(layout) -> Optional[tuple]:
+    """``(hard units, soft units)`` of ``layout``'s axes in order, where the nodes before their
+    reach (:func:`reach`) compute whole; None where the layout is read as a whole
+    (context-parallel orders, regional expert units) or a unit is matched by scanning (not an
+    atom prefix)."""
+    if layout.orders or any(layout.regional.values()):
+        return None
+    hard = tuple(u for units in layout.units.values() for u in units)
+    soft = tuple(u for units in layout.soft.values() for u in units)
+    if not all(isinstance(u, tuple) and u for u in hard + soft):
+        return None
+    return hard, soft
+
+
+def untouched_prefix(rw, first: dict) -> int:
+    """How many of ``rw``'s graph nodes come before the first one its layout may touch: the
+    least reach of a unit of the layout (:func:`reach`), and no later than the first node that
+    another pass lowers or that has no sharding rule (its fallback is recorded). 0 for layouts
+    read as a whole (:func:`prefix_units`; inputs placed by another pass) and rewrites that
+    note every read (sharded state, gradient buckets and regions)."""
+    units = prefix_units(rw.layout)
+    if (units is None or rw.fixed or rw.zero.storage or rw.grad_sync.bucket_uses
+            or rw.grad_sync.region_axis is not None):
+        return 0
+    hard, soft = units
+    stop = len(rw.g0.nodes)
+    for u in hard:
+        stop = min(stop, reach(first, u, bool(soft)))
+    for u in soft:
+        stop = min(stop, reach(first, u, False))
+    for i, node in enumerate(rw.g0.nodes):
+        if i >= stop:
+            break
+        if node.op == "call_function" and (node in rw.regions or (
+                node.target is not GETITEM and rw.info.indexing.get(node) is None)):
+            return i
+    return stop

@@ -1,0 +1,123 @@
+"""The search's budgeted one-axis rewrites: what they skip, and what they share.
+
+- A rewrite that builds no graph records the nodes before its layout's first touch, and the
+  inputs no unit splits, as whole without deciding each (passes/untouched.py). Every one-axis
+  rewrite of a search, at a budget or whole, must emit exactly the collectives of the full
+  rewrite (which decides every node and builds the graph): all of them when it runs to the end,
+  their first ones when the budget stops it; with the same placements when it ends.
+- An option whose units decide the same as another's up to the node where that one's budgeted
+  rewrite stopped takes its records (cost/prefix_records.py): they must equal the records of
+  its own budgeted rewrite.
+
+On an encoder-decoder (soft entries, context-parallel attention among the options) and a
+Mixture-of-Experts decoder, with only the inputs named, at budgets of one and of ten times the
+search's own.
+"""
+import warnings
+
+import pytest
+
+import autoshard
+from autoshard import Mesh
+from autoshard.cost import load_hardware
+from autoshard.cost.model import CostModel
+
+from tests.helpers import hf_zoo
+
+CASES = [("whisper", {"tp": 4}), ("qwen2_moe", {"dp": 2, "tp": 2})]
+
+
+def _space(arch, axes):
+    from autoshard.cost.search import SearchSpace
+    spec = hf_zoo.ARCHS.get(arch) or hf_zoo.ZOO[arch]
+    model, kwargs = spec.build()
+    dims = {k: v for k, v in spec.all_dims.items() if k in kwargs}
+    mesh = Mesh(axes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autoshard.autoshard(model, (), kwargs, mesh=mesh, dims=dims, train=True, hardware="h100")
+    space = SearchSpace(plan.captured.graph, plan.captured.inputs, plan.info, mesh, CostModel(load_hardware("h100")),
+                        train=True)
+    return plan, space
+
+
+def _budget(plan, space, factor):
+    from autoshard.cost.lazy_search import floors
+    costs = sorted(e.cost.step_time for e in [plan.search.best] + plan.search.alternatives)
+    return factor * (costs[-1] - sum(floors(space)))
+
+
+@pytest.mark.parametrize("arch,axes", CASES)
+@pytest.mark.parametrize("factor", [1, 10])
+def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, arch, axes, factor):
+    import autoshard.cost.search as S
+    from autoshard.cost.lazy_search import warm_records
+    from autoshard.passes.spmd import lazy_programs, unchanged_graphs
+
+    plan, space = _space(arch, axes)
+    real, seen = S.rewrite, {"stopped": 0, "whole": 0}
+
+    def both(*a, **k):
+        full = real(*a, **{**k, "collectives_only": False, "collectives": None, "stopped": None})
+        emitted = k["collectives"]
+        try:
+            got = real(*a, **k)
+        except S._OverBudget:
+            assert list(emitted) == full.collectives[:len(emitted)]
+            assert len(emitted) <= len(full.collectives)
+            seen["stopped"] += 1
+            raise
+        assert got.collectives == full.collectives
+        assert (got.placements, got.input_placements, got.output_placements) == (
+            full.placements, full.input_placements, full.output_placements)
+        seen["whole"] += 1
+        return got
+
+    monkeypatch.setattr(S, "rewrite", both)
+    space.records_budget = _budget(plan, space, factor)
+    with warnings.catch_warnings(), unchanged_graphs(), lazy_programs():
+        warnings.simplefilter("ignore")
+        warm_records(space)
+    # both kinds met, many times (the budgets are the search's own, not ones that stop nothing)
+    assert seen["stopped"] >= 5 and seen["whole"] >= 1, seen
+
+
+@pytest.mark.parametrize("arch,axes", CASES)
+@pytest.mark.parametrize("factor", [1, 10])
+def test_shared_records_equal_the_options_own(arch, axes, factor):
+    from autoshard.cost.lazy_search import by_count
+    from autoshard.passes.spmd import lazy_programs, unchanged_graphs
+
+    plan, space = _space(arch, axes)
+    space.records_budget = _budget(plan, space, factor)
+    shared = []
+    with warnings.catch_warnings(), unchanged_graphs(), lazy_programs():
+        warnings.simplefilter("ignore")
+        for axis, opts in zip(space.mesh.names, space.per_axis_options()):
+            if space.mesh.axes[axis] == 1:
+                continue
+            for i in by_count(opts):
+                before = space.rewrites
+                got = space._axis_records(axis, opts[i].pair[1])
+                if space.rewrites == before and got is not None and got[3] is not None and got[3][0] is space:
+                    shared.append((axis, opts[i].pair[1], got))
+
+        class NoSharing:  # every option rewrites its own
+            def find(self, units, budget):
+                return None
+
+            def add(self, *a):
+                pass
+
+        space._prefix = NoSharing()
+        keys = set()
+        for axis, names, got in shared:
+            key = space._records_key(axis, names)
+            if key in keys:
+                continue
+            keys.add(key)
+            space._shared.pop(key)
+            own = space._axis_records(axis, names, got[3][1])
+            assert own is not None and own[3] is not None, sorted(names)
+            assert own[:3] == got[:3], sorted(names)
+    assert len(keys) >= 5  # (not vacuous: options did share)
