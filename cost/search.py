@@ -1574,13 +1574,12 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
             if over is None or cost.step_time < over.cost.step_time:
                 over = Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh)
 
-    def refined(c) -> tuple:
-        # (whether a one-axis rewrite of c stopped at the budget, the bound of level 3 below)
+    def stopped(c) -> bool:  # whether a one-axis rewrite of c stopped at the budget
         try:
-            cb, ob = space.comm_bound(c), space.optimizer_bound(c)
-            return (space.stopped_records(c), max(space.compute_bound(c) + ob + cb, ob + space.stream_bound(c, cb)))
+            space.comm_bound(c)
+            return space.stopped_records(c)
         except space._LayoutError:
-            return (True, math.inf)
+            return True
 
     if refine and heap and latency_bound(space):
         # The whole compute unsplit is worth a few collective latencies (a small, latency-bound
@@ -1590,17 +1589,17 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
         # provisional budget (the seeds' one-axis rewrites stop at their first collective), the
         # other seeds at ZeRO stage 0 whose rewrites ran whole first (no blocking collective
         # reached the budget: plans needing none give the keep-th cost, and with it the budget,
-        # its least value), least bound first.
+        # its least value), 2 x keep in all: one costly plan among the first keep would raise
+        # the budget of every rewrite.
         order = sorted(seeds, key=lambda h: (h[0], h[2].zero_stage, h[1]))
         seed(order[0][1], order[0][2])
-        rest = [((False, 0.0), h) for h in order[1:]]
+        rest = order[1:]
         if found:
             space.records_budget = found[0].cost.step_time - least
-            rest = sorted(((refined(h[2]), h) for _, h in rest if not h[2].zero_stage),
-                          key=lambda r: (r[0], r[1][0], r[1][1]))
+            rest = sorted((h for h in rest if not h[2].zero_stage), key=lambda h: (stopped(h[2]), h[0], h[1]))
             space._cb_cache.clear()  # (bounds from records at the provisional budget)
-        for _, (_, k, c) in rest:
-            if evaluated >= 2 * keep or len(found) >= keep:
+        for _, k, c in rest:
+            if evaluated >= 2 * keep:
                 break
             seed(k, c)
     costs = update_budget()

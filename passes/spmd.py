@@ -241,6 +241,7 @@ class _Rewriter:
         self.copies: set = set()  # views whose local value views a converted copy (not the value's storage)
         self.tag = 0  # the next collective tag (new_tags)
         self.position = -1  # index in graph.nodes of the node being rewritten
+        self.whole = tuple(R for _ in mesh.names)  # whole on every axis
         self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
         self.unit_index: dict = {}  # (axis, soft) -> _unit_index's answer
         self.unit_memo: dict = {}  # (atoms, axis, soft) -> unit (the layout is fixed for one rewrite)
@@ -379,8 +380,8 @@ class _Rewriter:
             elif node in whole_in:  # (a tensor input no unit of the layout splits)
                 self.local[node] = node
                 placeholders.append((node.name, "input", len(input_places)))
-                use_places[node.name] = tuple(R for _ in self.axes)
-                self.place[node] = [use_places[node.name]]
+                use_places[node.name] = self.whole
+                self.place[node] = [self.whole]
                 input_places.append(use_places[node.name])
             elif node.op == "placeholder":
                 new = self.g.placeholder(node.name)
@@ -434,7 +435,6 @@ class _Rewriter:
         """A node before the layout's first touch (passes/untouched.py), in a rewrite building no
         graph: every operand and result whole on every rank, the captured node standing for its
         local value (the same shape and dtype), as a whole input's placeholder does."""
-        whole = tuple(R for _ in self.axes)
         ix = self.info.indexing.get(node)
         if node.target is GETITEM or ix.kind in ("view", "creation"):
             n = 1
@@ -443,7 +443,7 @@ class _Rewriter:
         else:
             n = len(ix.outputs)
         self.local[node] = node
-        self.place[node] = [whole] * n
+        self.place[node] = [self.whole] * n
 
     def meta_local(self, val, place):
         return torch.empty(local_shape(val.shape, place, self.mesh), dtype=val.dtype, device="meta")
@@ -552,7 +552,34 @@ class _Rewriter:
                         return False
         return True
 
+    def computed_whole(self, node: fx.Node, ix: Indexing) -> bool:
+        """Whether every operand of ``node`` is whole on every axis and no axis would split its
+        results (what :meth:`choose_modes` would find: replicate on every axis, nothing to
+        convert). Most ops of a one-axis program are."""
+        whole = self.whole
+        for path, _ in ix.inputs:
+            src = get_path(node, path)
+            if src not in self.place or self.place[src][0] != whole:
+                return False
+        if is_inplace(node.target):  # the written operand's placement is its result's
+            src = node.args[0]
+            return src in self.place and self.place[src][0] == whole
+        return all(self.desired(node, k) == whole for k, v in enumerate(self.out_values(node))
+                   if isinstance(v, torch.Tensor))
+
     def visit_einsum(self, node: fx.Node, ix: Indexing):
+        if self.computed_whole(node, ix):
+            # every operand read as it is (conversions to the same placement: none, only the
+            # gradient sync's note of the read), every result whole
+            converted = {}
+            for path, _ in ix.inputs:
+                src = get_path(node, path)
+                self.grad_sync.note_use(self, src, self.whole, self.whole, frozenset(), node)
+                loc = self.local[src]
+                converted[path] = loc[0] if isinstance(loc, list) else loc
+            args, kwargs = self.replace_args(node, converted)
+            return self.finish_einsum(node, ix, [("replicate", None)] * len(self.axes), None,
+                                      [self.whole] * len(ix.outputs), args, kwargs)
         modes = self.choose_modes(node, ix)
         n_in = len(ix.inputs)
         targets = [[None] * len(self.axes) for _ in range(n_in)]
@@ -613,6 +640,11 @@ class _Rewriter:
             for k in range(len(ix.outputs)):
                 out_place[k][i] = P if passthrough else R
         args, kwargs = self.map_args(node, ix, targets, varying_axes, modes)
+        self.finish_einsum(node, ix, modes, targets, [tuple(p) for p in out_place], args, kwargs)
+
+    def finish_einsum(self, node, ix, modes, targets, places, args, kwargs):
+        """The local op of ``node`` on its converted ``args``, with result placements ``places``
+        (``targets``: the operands' placements, None where every one is whole)."""
         if is_inplace(node.target) and self.writes_into_copy(node, args) and aliases_read_later(node):
             raise LayoutError(
                 f"{self.where(node)} writes in place into {node.args[0].name}, whose aliases are read later, but "
@@ -620,7 +652,6 @@ class _Rewriter:
                 f"({self.reason(node, ix, modes, ix.inputs[0][1])}): "
                 f"the write would land in a copy. Shard the dims of {node.args[0].name} as the values written into it "
                 f"are, or leave them whole")
-        places = [tuple(p) for p in out_place]
         if node.target in SIZE_ARG:  # sizes written into the op become local sizes
             args = list(args)
             args[SIZE_ARG[node.target]] = list(local_shape(shape_of(node), places[0], self.mesh))

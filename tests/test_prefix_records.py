@@ -8,6 +8,8 @@
 - An option whose units decide the same as another's up to the node where that one's budgeted
   rewrite stopped takes its records (cost/prefix_records.py): they must equal the records of
   its own budgeted rewrite.
+- Every rewrite takes an op whose operands are whole and whose results no axis splits without
+  deciding it axis by axis: the programs must be the same as with every op decided.
 
 On an encoder-decoder (soft entries, context-parallel attention among the options) and a
 Mixture-of-Experts decoder, with only the inputs named, at budgets of one and of ten times the
@@ -121,3 +123,52 @@ def test_shared_records_equal_the_options_own(arch, axes, factor):
             assert own is not None and own[3] is not None, sorted(names)
             assert own[:3] == got[:3], sorted(names)
     assert len(keys) >= 5  # (not vacuous: options did share)
+
+
+@pytest.mark.parametrize("case", ["llama-dp2tp2", "gpt-inputs-tp4-train"])
+def test_ops_computed_whole_are_rewritten_as_when_decided_one_by_one(monkeypatch, case):
+    """The rewrite takes an op whose operands are all whole and whose results no axis splits
+    without choosing its modes and converting each operand (``_Rewriter.computed_whole``): the
+    programs built for the search's candidates (every ZeRO stage, gradient buckets, soft
+    entries) are the same, code, collectives and placements, as with every op decided."""
+    from autoshard.cost.search import SearchSpace
+    from autoshard.passes import spmd
+
+    from tests.helpers.search_cases import STRUCTURED, prepared
+
+    spec, mesh, hw, _ = STRUCTURED[case]()
+    cap, info = prepared(*spec)
+    space = SearchSpace(cap.graph, cap.inputs, info, mesh, CostModel(load_hardware(hw)), train=True)
+    cands = space.space()
+    step = max(1, len(cands) // 40)
+    whole = spmd._Rewriter.computed_whole
+    taken = {"whole": 0}
+
+    def counted(self, node, ix):
+        got = whole(self, node, ix)
+        taken["whole"] += got
+        return got
+
+    built = 0
+    for c in cands[::step]:
+        programs = []
+        for fn in (counted, lambda self, node, ix: False):
+            monkeypatch.setattr(spmd._Rewriter, "computed_whole", fn)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    p, _ = space._build(cap.graph, cap.inputs, info, c.layout(space.names, space.extra),
+                                        c.zero_stage, c.reshard)
+            except autoshard.LayoutError as e:
+                p = str(e)
+            programs.append(p)
+        fast, slow = programs
+        if isinstance(fast, str) or isinstance(slow, str):
+            assert fast == slow, c.describe()
+            continue
+        assert fast.graph_module.code == slow.graph_module.code, c.describe()
+        assert fast.collectives == slow.collectives, c.describe()
+        assert (fast.placements, fast.input_placements, fast.output_placements) == (
+            slow.placements, slow.input_placements, slow.output_placements), c.describe()
+        built += 1
+    assert built >= 10 and taken["whole"] > 100, (built, taken)
