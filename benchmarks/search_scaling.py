@@ -5,7 +5,8 @@ Run: .venv/bin/python benchmarks/search_scaling.py [--archs llama cohere ...] [-
 
 For every architecture of ``tests/helpers/hf_zoo.py`` and the plain-PyTorch test models
 (``tests/helpers/plain_models.py``) at test size, training, ``hardware="h100"``, on each mesh: the search
-space size (candidates), how many the branch and bound evaluated, the process CPU seconds of
+space size (candidates), how many the branch and bound evaluated, how many programs it rewrote
+(one-axis rewrites and evaluations), the process CPU seconds of
 torch.export (autoshard's capture) and of autoshard beyond it (dims, search, final rewrite), and
 their ratio, search / max(export, 0.5 s) (the target: <= 2, i.e. search <= max(2 x export, 1 s)).
 Both are measured warm (one plan made earlier in the process) and reported as the median of
@@ -90,8 +91,8 @@ def main(argv=None):
     # warm: one plan earlier in the process (imports, torch.export's first-call setup)
     m, ar, kw, d = all_cases["plain.gpt"]()
     plan_once(m, ar, kw, d, parse_mesh("dp=2,tp=2"), a.timeout)
-    print("| model | mesh | candidates | evaluated | export s | search s | ratio | plan |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | mesh | candidates | evaluated | rewrites | export s | search s | ratio | plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for name in names:
         model, args, kwargs, dims = all_cases[name]()
@@ -102,10 +103,10 @@ def main(argv=None):
                 for _ in range(a.repeat):
                     runs.append(plan_once(model, args, kwargs, dims, mesh, a.timeout))
             except _Timeout:
-                print(f"| {name} | {mtext} | | | | > {a.timeout:.0f} | | timed out |", flush=True)
+                print(f"| {name} | {mtext} | | | | | > {a.timeout:.0f} | | timed out |", flush=True)
                 continue
             except Exception as e:  # noqa: BLE001 - a refused model is a row, not the end of the table
-                print(f"| {name} | {mtext} | | | | | | {type(e).__name__}: {str(e)[:80]} |", flush=True)
+                print(f"| {name} | {mtext} | | | | | | | {type(e).__name__}: {str(e)[:80]} |", flush=True)
                 continue
             plan = runs[-1][0]
             exp = statistics.median(r[1] for r in runs)
@@ -113,7 +114,7 @@ def main(argv=None):
             ratio = beyond / max(exp, 0.5)  # <= 2: within max(2 x export, 1 s)
             worst = max(worst, ratio)
             res = plan.search
-            print(f"| {name} | {mtext} | {res.space_size} | {res.evaluated} | {exp:.2f} | {beyond:.2f} | "
+            print(f"| {name} | {mtext} | {res.space_size} | {res.evaluated} | {res.rewrites} | {exp:.2f} | {beyond:.2f} | "
                   f"{ratio:.2f} | {res.best.candidate.describe()} |", flush=True)
     print(f"\nworst search / max(export, 0.5 s): {worst:.2f} (target <= 2)")
     if a.no_big:

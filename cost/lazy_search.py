@@ -138,13 +138,20 @@ def _may_be_data_axis(space, opt) -> bool:
     return any(isinstance(p, Shard) for n, p in places.items() if n in users)
 
 
-def option_floor(space, axis, opt, zero_sharded: bool) -> float:
+def fragile_names(space, axis, opt) -> frozenset:
+    """The hard names of ``opt`` that get other units on ``axis`` when on other axes too."""
+    return frozenset(n for n in opt.pair[1] if not n.endswith(SOFT_MARK) and _fragile(space, n, axis))
+
+
+def option_floor(space, axis, opt, zero_sharded: bool, alone: bool = False) -> float:
     """Seconds of blocking communication on ``axis`` every candidate holding ``opt`` there pays
-    at least (see the module's docstring). ``zero_sharded``: ZeRO 2/3 is in the space."""
+    at least (see the module's docstring). ``zero_sharded``: ZeRO 2/3 is in the space.
+    ``alone``: for the candidates holding no name of ``opt`` on another axis (where a fragile
+    name keeps its units)."""
     names = opt.pair[1]
     if space.mesh.axes[axis] == 1 or not names:
         return 0.0
-    if any(_fragile(space, n, axis) for n in names if not n.endswith(SOFT_MARK)):
+    if not alone and fragile_names(space, axis, opt):
         return 0.0
     got = space._axis_records(axis, names)
     if got is None:
@@ -162,20 +169,32 @@ def option_floor(space, axis, opt, zero_sharded: bool) -> float:
 class LazyCandidates:
     """The combinations of ``space``'s axis options, least bound first (see the module's
     docstring). Makes every option's one-axis records first (with the space's
-    ``records_budget``, so set that first where known)."""
+    ``records_budget``, so set that first where known).
+
+    An option with a fragile name has floor 0 in that order (the product's terms are one per
+    axis); :meth:`combination_bound` gives it its own floor where the combination puts none of
+    its names on another axis."""
 
     def __init__(self, space, base: Optional[float] = None):
-        zero_sharded = any(z >= 2 for z, _ in space._stage_options)
+        self._space = space
+        self._zero_sharded = any(z >= 2 for z, _ in space._stage_options)
         self.options, values = [], []
         self.floor: dict = {}  # (axis, names) -> that option's floor
+        self._fragile: dict = {}  # (axis, names) -> its fragile names (where any)
+        self._alone: dict = {}  # (axis, names) -> its floor where its names are on no other axis
         for axis, opts in zip(space.mesh.names, space.per_axis_options()):
             # fewest names first: a larger option's budgeted records are often a smaller one's
             # (cost/prefix_records.py)
-            got = {i: option_floor(space, axis, opts[i], zero_sharded) for i in by_count(opts)}
+            got = {i: option_floor(space, axis, opts[i], self._zero_sharded) for i in by_count(opts)}
             scored = sorted((x, i) for i, x in got.items())
             self.options.append([opts[i] for _, i in scored])
             values.append([x for x, _ in scored])
             self.floor.update((opts[i].pair, x) for x, i in scored)
+            if space.mesh.axes[axis] > 1:
+                for o in opts:
+                    frag = fragile_names(space, axis, o)
+                    if frag:
+                        self._fragile[o.pair] = frag
         self.base = sum(floors(space)) if base is None else base  # ``base``: that sum, if known
         self._product = LazyProduct(values)
         self.taken = 0
@@ -183,6 +202,24 @@ class LazyCandidates:
     def bound(self, cand) -> float:
         """The bound of ``cand``'s combination (what :meth:`pop` returns with it)."""
         return self.base + sum(self.floor[pair] for pair in cand.axes)
+
+    def combination_bound(self, pairs) -> float:
+        """The bound of the combination of axis options ``pairs`` ((axis, names) per axis), at
+        least :meth:`bound`: an option with a fragile name none of which the others hold counts
+        its own floor."""
+        total = self.base
+        for pair in pairs:
+            frag = self._fragile.get(pair)
+            if frag is None or any(frag & q[1] for q in pairs if q is not pair):
+                total += self.floor[pair]
+                continue
+            if pair not in self._alone:
+                axis, names = pair
+                opt = next(o for o in self._space.per_axis_options()[self._space.mesh.names.index(axis)]
+                           if o.pair == pair)
+                self._alone[pair] = option_floor(self._space, axis, opt, self._zero_sharded, alone=True)
+            total += self._alone[pair]
+        return total
 
     def peek(self) -> Optional[float]:
         """The bound of the next combination (None when none is left)."""

@@ -1612,8 +1612,10 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
         if stream is not None:
             threshold = costs[keep - 1] if len(costs) >= keep else math.inf
             while stream.peek() is not None and stream.peek() < threshold and (not heap or stream.peek() <= heap[0][0]):
-                bound, combo = stream.pop()
-                admit_combination(combo, bound)
+                _, combo = stream.pop()
+                bound = stream.combination_bound(tuple(o.pair for o in combo))
+                if bound < threshold:  # (else bounded out: its fragile names are on no other axis)
+                    admit_combination(combo, bound)
         if not heap:
             break
         lb, k, c, level, base = heapq.heappop(heap)
