@@ -1039,12 +1039,27 @@ class SearchSpace:
         units = self._shared.get(ukey)
         if units is None:
             try:
-                resolved = resolve_layout(self._named_red, self._layout1(axis, names), Mesh({"axis": size}))
+                resolved = self._resolved1(axis, names)
                 units = (tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ()))))
             except self._LayoutError:
                 units = ("invalid", names)
             self._shared[ukey] = units
         return ("axis-records", self.reduced is not None, size, units, extra1, self.train)
+
+    def _resolved1(self, axis, names: frozenset) -> Layout:
+        """The one-axis layout of ``names`` on ``axis`` resolved (cached; LayoutError as resolving)."""
+        key = ("axis-layout", self.reduced is not None, self.mesh.axes[axis], names,
+               tuple(sorted(k for k, v in self.extra.items() if v and axis in v)))
+        got = self._shared.get(key)
+        if got is None:
+            try:
+                got = resolve_layout(self._named_red, self._layout1(axis, names), Mesh({"axis": self.mesh.axes[axis]}))
+            except self._LayoutError as e:
+                got = e
+            self._shared[key] = got
+        if isinstance(got, Exception):
+            raise got.with_traceback(None)  # (a fresh traceback each time it is raised)
+        return got
 
     def _layout1(self, axis, names: frozenset) -> dict:
         """The one-axis layout of ``names`` on ``axis`` (renamed "axis"), with the glob entries."""
@@ -1111,7 +1126,6 @@ class SearchSpace:
         r = self.reduced
         graph, info, inputs = (r.graph, r.info, r.inputs) if r is not None else (self.graph, self.info, self.inputs)
         mesh1 = Mesh({"axis": size})
-        layout1 = self._layout1(axis, names)
         grad = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
         emitted = (_Budgeted(self._budget_seconds(axis, grad), budget) if budget is not None and math.isfinite(budget)
                    else [])
@@ -1119,7 +1133,7 @@ class SearchSpace:
         stopped: dict = {}
         shared_units = None  # the units, where budgeted records may be shared (cost/prefix_records.py)
         try:
-            resolved = resolve_layout(self._named_red, layout1, mesh1)
+            resolved = self._resolved1(axis, names)
             kwargs = self.context.rewrite_kwargs(graph, info, resolved, mesh1)
             if isinstance(emitted, _Budgeted) and not kwargs:
                 shared_units = prefix_units(resolved)

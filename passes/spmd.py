@@ -578,6 +578,15 @@ class _Rewriter:
                 loc = self.local[src]
                 converted[path] = loc[0] if isinstance(loc, list) else loc
             args, kwargs = self.replace_args(node, converted)
+            if isinstance(self.g, _CollectivesOnly) and not is_inplace(node.target):
+                # building no graph: the local value is the captured one (whole: the same shape);
+                # only its operands (views of copies) and value are read later
+                new = self.g.call_function(node.target, args, kwargs)
+                new.meta["val"] = node.meta.get("val")
+                self.local[node] = new
+                outs = new.meta["val"]
+                self.place[node] = [self.whole] * (len(outs) if isinstance(outs, (tuple, list)) else len(ix.outputs))
+                return None
             return self.finish_einsum(node, ix, [("replicate", None)] * len(self.axes), None,
                                       [self.whole] * len(ix.outputs), args, kwargs)
         modes = self.choose_modes(node, ix)
