@@ -22,8 +22,10 @@ floor``:
   least these collectives on ``a``, each at least that large (``SearchSpace._comm_bound``).
   The units differ only where a name of the option is also on another axis and gets other
   units there (query heads split first by one axis, then inside by another): such an option's
-  floor is 0. A parameter's own conversions are left out where the option may be the data axis
-  of a ZeRO 2/3 candidate (its parameters are stored sharded there).
+  floor is 0 in the order, and a combination taken whose other axes hold none of those names
+  counts it again (:meth:`LazyCandidates.combination_bound`). A parameter's own conversions are
+  left out where the option may be the data axis of a ZeRO 2/3 candidate (its parameters are
+  stored sharded there).
 
 Each term is at most the matching term of the search's own bound (compute + optimizer +
 communication), so the combinations never taken have a bound at least the cost of the
