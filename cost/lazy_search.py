@@ -182,7 +182,7 @@ class LazyCandidates:
         self._zero_sharded = any(z >= 2 for z, _ in space._stage_options)
         self.options, values = [], []
         self.floor: dict = {}  # (axis, names) -> that option's floor
-        self._fragile: dict = {}  # (axis, names) -> its fragile names (where any)
+        self._fragile: dict = {}  # (axis, names) -> (its fragile names, the option), where it has any
         self._alone: dict = {}  # (axis, names) -> its floor where its names are on no other axis
         for axis, opts in zip(space.mesh.names, space.per_axis_options()):
             # fewest names first: a larger option's budgeted records are often a smaller one's
@@ -196,7 +196,7 @@ class LazyCandidates:
                 for o in opts:
                     frag = fragile_names(space, axis, o)
                     if frag:
-                        self._fragile[o.pair] = frag
+                        self._fragile[o.pair] = (frag, o)
         self.base = sum(floors(space)) if base is None else base  # ``base``: that sum, if known
         self._product = LazyProduct(values)
         self.taken = 0
@@ -211,15 +211,12 @@ class LazyCandidates:
         its own floor."""
         total = self.base
         for pair in pairs:
-            frag = self._fragile.get(pair)
+            frag, opt = self._fragile.get(pair, (None, None))
             if frag is None or any(frag & q[1] for q in pairs if q is not pair):
                 total += self.floor[pair]
                 continue
             if pair not in self._alone:
-                axis, names = pair
-                opt = next(o for o in self._space.per_axis_options()[self._space.mesh.names.index(axis)]
-                           if o.pair == pair)
-                self._alone[pair] = option_floor(self._space, axis, opt, self._zero_sharded, alone=True)
+                self._alone[pair] = option_floor(self._space, pair[0], opt, self._zero_sharded, alone=True)
             total += self._alone[pair]
         return total
 

@@ -1134,6 +1134,7 @@ class SearchSpace:
         shared_units = None  # the units, where budgeted records may be shared (cost/prefix_records.py)
         try:
             resolved = self._resolved1(axis, names)
+            units = key[3]  # (the records' key holds the sorted units: _records_key)
             kwargs = self.context.rewrite_kwargs(graph, info, resolved, mesh1)
             if isinstance(emitted, _Budgeted) and not kwargs:
                 shared_units = prefix_units(resolved)
@@ -1143,8 +1144,7 @@ class SearchSpace:
                 got = self._prefix.find(shared_units, budget)
                 if got is not None:  # the same collectives up to where another option's rewrite stopped
                     (agg, g_agg), reached = got
-                    out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))),
-                           agg, g_agg, (self, reached))
+                    out = (units, agg, g_agg, (self, reached))
                     cache[key] = out
                     return out
             self.rewrites += 1
@@ -1179,8 +1179,7 @@ class SearchSpace:
         g_agg = self._aggregate([((c.kind, c.bytes, self._touched(nodes.get(c.node), info), True), blk)
                                  for c, blk in grad_recs], r)
         # partial records bound out every budget up to what their collectives cost
-        out = ((tuple(sorted(resolved.units["axis"])), tuple(sorted(resolved.soft.get("axis", ())))), agg, g_agg,
-               (self, emitted.spent) if partial else None)
+        out = (units, agg, g_agg, (self, emitted.spent) if partial else None)
         if partial and shared_units is not None:
             self._prefix.add(shared_units, stopped["position"], emitted.spent, (agg, g_agg))
         cache[key] = out
@@ -1571,22 +1570,28 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
 
     seeded = set()
 
-    def seed(k, c):
+    def evaluate(c, lb: float) -> bool:
+        """Cost ``c`` (bounded from below by ``lb``) into ``found``, or ``over`` where it does not
+        fit; whether it was found."""
         nonlocal evaluated, infeasible, invalid, over
-        seeded.add(k)
         try:
             cost = space.evaluate(c)
         except space._LayoutError:  # e.g. a ZeRO stage without a data axis
             invalid += 1
-            return
+            return False
         evaluated += 1
-        if cost.fits(limit):
-            found.append(Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh))
-            found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
-        else:
+        if not cost.fits(limit):
             infeasible += 1
             if over is None or cost.step_time < over.cost.step_time:
-                over = Evaluated(c, c.layout(space.names, space.extra), cost, 0.0, space.mesh)
+                over = Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh)
+            return False
+        found.append(Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh))
+        found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
+        return True
+
+    def seed(k, c):
+        seeded.add(k)
+        evaluate(c, 0.0)
 
     def stopped(c) -> bool:  # whether a one-axis rewrite of c stopped at the budget
         try:
@@ -1677,19 +1682,8 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
                 invalid += 1
             continue
         popped += 1
-        try:
-            cost = space.evaluate(c)
-        except space._LayoutError:
-            invalid += 1
+        if not evaluate(c, lb):
             continue
-        evaluated += 1
-        if not cost.fits(limit):
-            infeasible += 1
-            if over is None or cost.step_time < over.cost.step_time:
-                over = Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh)
-            continue
-        found.append(Evaluated(c, c.layout(space.names, space.extra), cost, lb, space.mesh))
-        found.sort(key=lambda e: (e.cost.step_time, e.cost.memory["peak"]))
         costs = update_budget()
         now = time.perf_counter()
         if progress is not None:

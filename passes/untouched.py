@@ -42,14 +42,18 @@ def first_reads(graph: fx.Graph, info) -> dict:
         if node.op == "placeholder":
             continue
         for v in (node, *node.all_input_nodes):
-            for dims in info.dims.get(v, ()):
-                for atoms in dims:
-                    if not atoms:
-                        continue
-                    lv = tuple(info.leaves(atoms))
-                    for k in range(1, len(lv) + 1):
-                        first.setdefault(lv[:k], i)
+            for u in _leaf_prefixes(info, v):
+                first.setdefault(u, i)
     return first
+
+
+def _leaf_prefixes(info, value):
+    """Every prefix of the leaf atoms of every dim of ``value``'s results."""
+    for dims in info.dims.get(value, ()):
+        for atoms in dims:
+            if atoms:
+                lv = tuple(info.leaves(atoms))
+                yield from (lv[:k] for k in range(1, len(lv) + 1))
 
 
 def input_prefixes(graph: fx.Graph, info) -> dict:
@@ -58,18 +62,25 @@ def input_prefixes(graph: fx.Graph, info) -> dict:
     out = {}
     for node in graph.nodes:
         if node.op == "placeholder" and node in info.dims and is_tensor_node(node):
-            out[node] = frozenset(lv[:k] for dims in info.dims[node] for atoms in dims if atoms
-                                  for lv in (tuple(info.leaves(atoms)),) for k in range(1, len(lv) + 1))
+            out[node] = frozenset(_leaf_prefixes(info, node))
     return out
+
+
+def _units_if_local(rw) -> Optional[tuple]:
+    """``rw``'s layout's :func:`prefix_units`, where each node's decisions depend only on the
+    units of its own values; None for layouts read as a whole, inputs placed by another pass,
+    and rewrites that note every read (sharded state, gradient buckets and regions)."""
+    if rw.fixed or rw.zero.storage or rw.grad_sync.bucket_uses or rw.grad_sync.region_axis is not None:
+        return None
+    return prefix_units(rw.layout)
 
 
 def whole_inputs(rw, prefixes: dict) -> frozenset:
     """The tensor placeholders that ``rw``'s layout leaves whole on every axis (no unit of it is a
     prefix of their dims' leaves: :func:`input_prefixes`), where the rewrite records them whole
     without placing each (as :func:`untouched_prefix`: empty where that is 0 for the layout)."""
-    units = prefix_units(rw.layout)
-    if (units is None or rw.fixed or rw.zero.storage or rw.grad_sync.bucket_uses
-            or rw.grad_sync.region_axis is not None):
+    units = _units_if_local(rw)
+    if units is None:
         return frozenset()
     hard = frozenset(units[0])
     return frozenset(n for n, pre in prefixes.items() if pre.isdisjoint(hard))
@@ -103,9 +114,8 @@ def untouched_prefix(rw, first: dict) -> int:
     another pass lowers or that has no sharding rule (its fallback is recorded). 0 for layouts
     read as a whole (:func:`prefix_units`; inputs placed by another pass) and rewrites that
     note every read (sharded state, gradient buckets and regions)."""
-    units = prefix_units(rw.layout)
-    if (units is None or rw.fixed or rw.zero.storage or rw.grad_sync.bucket_uses
-            or rw.grad_sync.region_axis is not None):
+    units = _units_if_local(rw)
+    if units is None:
         return 0
     hard, soft = units
     stop = len(rw.g0.nodes)

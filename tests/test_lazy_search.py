@@ -13,7 +13,6 @@
 import itertools
 import random
 import sys
-import warnings
 
 import pytest
 
@@ -25,8 +24,8 @@ from autoshard.cost.lazy_search import LazyCandidates, product_size
 from autoshard.cost.model import CostModel
 from autoshard.cost.search import SearchSpace, search_layout
 
-from tests.helpers import hf_zoo, plain_models
-from tests.helpers.search_cases import inputs_only, prepared
+from tests.helpers import plain_models
+from tests.helpers.search_cases import hf_planned, inputs_only, prepared
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -78,15 +77,7 @@ def test_a_combinations_own_bound_is_at_most_each_of_its_candidates_own_bound():
     0 in the lazy order. A combination putting none of their names on the other axis counts their
     own floor (``LazyCandidates.combination_bound``): still at most each candidate's own bound, on
     1,500 combinations drawn at random, every ZeRO stage; and above the order's bound on many."""
-    spec = hf_zoo.ARCHS["llama"]
-    model, kwargs = spec.build()
-    dims = {k: v for k, v in spec.all_dims.items() if k in kwargs}
-    mesh = Mesh({"dp": 2, "tp": 2})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autoshard.autoshard(model, (), kwargs, mesh=mesh, dims=dims, train=True, hardware="h100")
-    space = SearchSpace(plan.captured.graph, plan.captured.inputs, plan.info, mesh, CostModel(load_hardware("h100")),
-                        train=True)
+    _, space = hf_planned("llama", {"dp": 2, "tp": 2})
     lazy = LazyCandidates(space)
     r = random.Random(0)
     slack = 1 + 512 * sys.float_info.epsilon  # (sums of the same terms in other orders)
@@ -113,17 +104,9 @@ def test_a_combinations_own_bound_is_at_most_each_of_its_candidates_own_bound():
 def test_lazy_order_returns_the_plans_of_the_whole_enumeration(arch):
     """autoshard() takes these spaces (products of tens of thousands) lazily; the whole
     enumeration of the same space returns the same candidates with the same costs."""
-    spec = hf_zoo.ARCHS.get(arch) or hf_zoo.ZOO[arch]
-    model, kwargs = spec.build()
-    dims = {k: v for k, v in spec.all_dims.items() if k in kwargs}
-    mesh = Mesh({"dp": 2, "tp": 2})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autoshard.autoshard(model, (), kwargs, mesh=mesh, dims=dims, train=True, hardware="h100")
+    plan, space = hf_planned(arch, {"dp": 2, "tp": 2})
     lazy = plan.search
     assert lazy.taken is not None
-    space = SearchSpace(plan.captured.graph, plan.captured.inputs, plan.info, mesh, CostModel(load_hardware("h100")),
-                        train=True)
     eager = search_layout(space, lazy=False)
     assert eager.taken is None
     assert [e.candidate for e in [eager.best] + eager.alternatives] == [e.candidate for e in [lazy.best] + lazy.alternatives]

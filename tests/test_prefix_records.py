@@ -20,27 +20,12 @@ import warnings
 import pytest
 
 import autoshard
-from autoshard import Mesh
 from autoshard.cost import load_hardware
 from autoshard.cost.model import CostModel
 
-from tests.helpers import hf_zoo
+from tests.helpers.search_cases import hf_planned
 
 CASES = [("whisper", {"tp": 4}), ("qwen2_moe", {"dp": 2, "tp": 2})]
-
-
-def _space(arch, axes):
-    from autoshard.cost.search import SearchSpace
-    spec = hf_zoo.ARCHS.get(arch) or hf_zoo.ZOO[arch]
-    model, kwargs = spec.build()
-    dims = {k: v for k, v in spec.all_dims.items() if k in kwargs}
-    mesh = Mesh(axes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autoshard.autoshard(model, (), kwargs, mesh=mesh, dims=dims, train=True, hardware="h100")
-    space = SearchSpace(plan.captured.graph, plan.captured.inputs, plan.info, mesh, CostModel(load_hardware("h100")),
-                        train=True)
-    return plan, space
 
 
 def _budget(plan, space, factor):
@@ -56,7 +41,7 @@ def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, arch,
     from autoshard.cost.lazy_search import warm_records
     from autoshard.passes.spmd import lazy_programs, unchanged_graphs
 
-    plan, space = _space(arch, axes)
+    plan, space = hf_planned(arch, axes)
     real, seen = S.rewrite, {"stopped": 0, "whole": 0}
 
     def both(*a, **k):
@@ -90,7 +75,7 @@ def test_shared_records_equal_the_options_own(arch, axes, factor):
     from autoshard.cost.lazy_search import by_count
     from autoshard.passes.spmd import lazy_programs, unchanged_graphs
 
-    plan, space = _space(arch, axes)
+    plan, space = hf_planned(arch, axes)
     space.records_budget = _budget(plan, space, factor)
     shared = []
     with warnings.catch_warnings(), unchanged_graphs(), lazy_programs():

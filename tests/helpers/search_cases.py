@@ -130,3 +130,26 @@ def prepared(model, args, dims, name_params=False):
     if name_params:
         name_parameter_dims(info, cap.graph, cap.inputs)
     return cap, info
+
+
+def hf_planned(arch, axes):
+    """(plan, search space) of the Hugging Face ``arch`` (``tests/helpers/hf_zoo.py``, built from
+    its config) with only its inputs named: ``autoshard()`` on ``Mesh(axes)``, training, h100, and
+    a fresh ``SearchSpace`` over the program it captured."""
+    import warnings
+
+    import autoshard
+    from autoshard.cost import load_hardware
+    from autoshard.cost.search import SearchSpace
+    from tests.helpers import hf_zoo
+
+    spec = hf_zoo.ARCHS.get(arch) or hf_zoo.ZOO[arch]
+    model, kwargs = spec.build()
+    dims = {k: v for k, v in spec.all_dims.items() if k in kwargs}
+    mesh = Mesh(axes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autoshard.autoshard(model, (), kwargs, mesh=mesh, dims=dims, train=True, hardware="h100")
+    space = SearchSpace(plan.captured.graph, plan.captured.inputs, plan.info, mesh, CostModel(load_hardware("h100")),
+                        train=True)
+    return plan, space
