@@ -63,11 +63,13 @@ from autoshard.passes.soft import SOFT_MARK, SoftLayoutError, is_soft, split_sof
 from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, _resolve_entry, input_placements,
                                   lazy_programs, requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
 from autoshard.passes.untouched import prefix_units
+from autoshard.passes.experts import find_expert_regions
 
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
 from .candidate import Candidate
 from .prefix_records import PrefixRecords
+from .zero_units import least_unit_latency
 from .lazy_search import (LazyCandidates, floors, latency_bound, most_named, product_size, seed_combinations,
                           use_lazy, warm_records)
 from autoshard.cost.context_parallel import ContextSearch
@@ -431,6 +433,8 @@ class SearchSpace:
         self._state_terms: dict = {}  # state_memory's per-input shares, by placement
         self._held_ids: dict = {}  # candidate axes -> number of its held placements (by value)
         self._held_places: dict = {}  # held placements -> that number
+        self._unit_latencies: dict = {}  # _held_key -> _unit_latency
+        self._gatherable: Optional[list] = None  # (name, display name) of the parameters ZeRO-3 may gather
         # seconds of blocking communication that bound a candidate out (set by the search):
         # one-axis rewrites stop there (:meth:`_axis_records`); None: rewrite them whole
         self.records_budget: Optional[float] = None
@@ -1284,11 +1288,11 @@ class SearchSpace:
         data axis (one all-reduce per parameter in the one-axis program; in the plan merged into
         buckets, joined with other axes, or with ZeRO 2/3 a reduce-scatter, whichever costs
         less is counted) and ZeRO-3's forward gathers of every stored shard (grouped into
-        units). Grouping changes the number of latency steps, not the bytes: both are costed
-        by bandwidth alone, ``t(V) - t(0)``, additive under the alpha-beta model, and a
-        collective spanning more axes is no faster per byte than its data-axis share. Backward
-        re-gathers (ZeRO-3 with release after forward) are left out. ``comm``: the candidate's
-        :meth:`comm_bound`, if known."""
+        units). Both are costed by bandwidth, ``t(V) - t(0)``, additive under the alpha-beta
+        model (a collective spanning more axes is no faster per byte than its data-axis share);
+        ZeRO-3's units add their latency, ``t(0)`` of their collectives
+        (:meth:`_unit_latency`). Backward re-gathers (ZeRO-3 with release after forward) are
+        left out. ``comm``: the candidate's :meth:`comm_bound`, if known."""
         if not self.train:
             return 0.0  # forward: the step does not wait for background collectives
         total = self.comm_bound(cand) if comm is None else comm
@@ -1327,7 +1331,39 @@ class SearchSpace:
                 v = self.vals[inp.name]
                 nbytes += cnt * _local_numel(v.shape, place, self.mesh) * v.element_size()
             total += bw("all_gather", nbytes)
+            # (small models: the latency of the units, not their bytes, is most of their traffic)
+            total += self._unit_latency(cand, d)
         return total
+
+    def _unit_latency(self, cand: Candidate, axis) -> float:
+        """The least latency of the ZeRO-3 units of the candidate's plan on ``axis``
+        (``cost.zero_units.least_unit_latency``), over the parameters it certainly gathers, named
+        as in the whole model (a cut-away block's parameters by their own block). Certainly
+        gathered: stored sharded, read whole on ``axis``, read at all, and outside the
+        Mixture-of-Experts regions (an expert's parameters may stay with the rank owning it).
+        Cached by what the storage depends on."""
+        key = self._held_key(cand)
+        got = self._unit_latencies.get(key)
+        if got is None:
+            _, places, storage, _ = self._full_state(cand)
+            i_axis = self.mesh.names.index(axis)
+            if self._gatherable is None:
+                experts = {p.name for r in find_expert_regions(self.graph, self.info)
+                           for p in list(r.params) + [q for ps in r.expert_params for q in ps]}
+                read = {n.name for n in self.graph.nodes if n.op == "placeholder" and n.users}
+                self._gatherable = [(i.name, self.display.get(i.name, i.name)) for i in self.inputs
+                                    if i.kind == "parameter" and i.trainable and i.name not in experts
+                                    and i.name in read]
+            fold = self.reduced.input_map if self.reduced is not None else None
+            fqns = []
+            for name, fqn in self._gatherable:
+                red = fold.get(name) if fold is not None else name
+                if red is not None and storage.get(red) is not None and isinstance(places[red][i_axis], Replicate):
+                    fqns.append(fqn)
+            got = self._unit_latencies[key] = least_unit_latency(
+                fqns, self.units, *(collective_seconds(self.cm, self.mesh, kind, (axis,), 0.0)
+                                    for kind in ("all_gather", "reduce_scatter")))
+        return got
 
     def _zero3_gathers(self, cand: Candidate, axis) -> float:
         """ZeRO-3 parameters gathered one by one (unit policy ``"param"``): every stored shard is

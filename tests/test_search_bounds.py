@@ -129,3 +129,55 @@ def test_state_memory_shares_equal_the_whole_computation():
         assert st == fresh, c.describe()
         checked += 1
     assert checked > 20 and len(space._state_terms) < checked * len(space._st_inputs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "whisper"])
+def test_zero3_unit_latency_bounds_the_cost(arch):
+    """The stream bound counts the latency of ZeRO-3's units (``SearchSpace._unit_latency``): on
+    a Mixture-of-Experts decoder (expert parameters left out) and an encoder-decoder (two stacks
+    of blocks), with only the inputs named, it never exceeds the latency of the units' gathers
+    and reduce-scatters and of the stored parameters gathered one by one in the program built,
+    and the bound
+    never exceeds the evaluated cost, for ZeRO-3 candidates sampled over both axes' options.
+    Tolerance: one part in 1e9, for sums of the same terms in another order."""
+    import random
+
+    from autoshard.cost.candidate import Candidate
+    from autoshard.cost.model import collective_seconds
+    from tests.helpers.search_cases import hf_planned
+
+    _, space = hf_planned(arch, {"dp": 2, "tp": 2})
+    combos = [(d, t) for d in space.per_axis_options()[0] for t in space.per_axis_options()[1]]
+    random.Random(0).shuffle(combos)
+    checked = counted = grouped = 0
+    for combo in combos:
+        got = space.combination(combo) if checked < 16 else None
+        try:
+            if got is None or not space._placed(got[0])[1]:
+                continue  # (ZeRO needs an axis splitting the batch)
+        except autoshard.LayoutError:
+            continue
+        for reshard in (True, False):
+            c = Candidate(got[0].axes, 3, reshard)
+            try:
+                cost = space.evaluate(c).step_time
+                bound = space.optimizer_bound(c) + space.stream_bound(c, 0.0)
+                axis = space._placed(c)[1][0]
+            except autoshard.LayoutError:
+                continue
+            program, _ = space._build(space.graph, space.inputs, space.info, c.layout(space.names, space.extra), 3,
+                                      reshard)
+            # the latency the program's own ZeRO-3 collectives pay: units and single gathers
+            units = [x for x in program.collectives if x.op == "gather_unit" and x.axes == (axis,)]
+            single = [x for x in program.collectives if x.phase == "forward" and x.kind == "all_gather"
+                      and x.axes == (axis,) and x.op != "gather_unit" and x.node in program.storage]
+            paid = sum(collective_seconds(space.cm, space.mesh, x.kind, x.axes, 0.0) for x in units + single)
+            least = space._unit_latency(c, axis)
+            assert least <= paid * (1 + 1e-9), (c.describe(), least, paid)
+            assert bound <= cost * (1 + 1e-9) + 1e-15, (c.describe(), bound, cost)
+            checked += 1
+            counted += least > 0
+            grouped += bool(units)
+    assert checked >= 16 and counted >= checked // 2
+    # (the sampled Qwen2-MoE layouts form units; the Whisper ones gather each parameter alone)
+    assert grouped >= checked // 2 if arch == "qwen2_moe" else grouped == 0
