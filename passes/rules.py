@@ -1123,9 +1123,23 @@ def _is_view(node: fx.Node) -> bool:
         return False
     if node.target is GETITEM:
         return isinstance(node.args[0], fx.Node) and _is_view(node.args[0])
-    schema = getattr(node.target, "_schema", None)
+    try:
+        return _VIEW[node.target]  # read from the schema once per op: the rewrite asks per node
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable
+        return _schema_returns_view(node.target)
+    _VIEW[node.target] = got = _schema_returns_view(node.target)
+    return got
+
+
+def _schema_returns_view(op) -> bool:
+    schema = getattr(op, "_schema", None)
     returns = schema.returns if schema is not None else []
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+_VIEW: dict = {}  # op -> whether its result is a view of its first argument
 
 
 def aliases_read_later(node: fx.Node) -> bool:

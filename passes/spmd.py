@@ -198,7 +198,8 @@ class _CollectivesOnly:
         return _Value("placeholder", name, name, (), {})
 
     def call_function(self, target, args=(), kwargs=None):
-        return _Value("call_function", getattr(target, "__name__", str(target)), target, args, kwargs or {})
+        name = getattr(target, "__name__", None)  # (str() of an op costs more than the rest of this)
+        return _Value("call_function", name if name is not None else str(target), target, args, kwargs or {})
 
     def output(self, result):
         return _Value("output", "output", "output", (result,), {})
