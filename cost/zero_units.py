@@ -36,7 +36,6 @@ def choose_units(build: Callable, cost_of: Callable, memory_limit: Optional[floa
     return min(tried, key=lambda t: t[2].memory["peak"])
 
 
-
 def least_unit_latency(fqns, policy, gather: float, scatter: float) -> float:
     """The least latency ZeRO-3's gathers of parameters ``fqns`` pay on the communication
     stream under ``policy``, given one all-gather's (``gather``) and one reduce-scatter's
