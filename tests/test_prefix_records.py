@@ -12,8 +12,8 @@
   deciding it axis by axis: the programs must be the same as with every op decided.
 
 On an encoder-decoder (soft entries, context-parallel attention among the options) and a
-Mixture-of-Experts decoder, with only the inputs named, at budgets of one and of ten times the
-search's own.
+Mixture-of-Experts decoder, with only the inputs named, at the search's own budget (and one model at
+ten times it).
 """
 import warnings
 
@@ -25,7 +25,11 @@ from autoshard.cost.model import CostModel
 
 from tests.helpers.search_cases import hf_planned
 
-CASES = [("whisper", {"tp": 4}), ("qwen2_moe", {"dp": 2, "tp": 2})]
+WHISPER, QWEN2_MOE = ("whisper", {"tp": 4}), ("qwen2_moe", {"dp": 2, "tp": 2})
+# (budget factor, arch, axes): each model at the search's own budget, and one of them at ten
+# times it (where rewrites run further before they stop), for each check
+BUDGETED = [(1, *WHISPER), (1, *QWEN2_MOE), (10, *WHISPER)]
+SHARED = [(1, *WHISPER), (1, *QWEN2_MOE), (10, *QWEN2_MOE)]
 
 
 def _budget(plan, space, factor):
@@ -34,9 +38,8 @@ def _budget(plan, space, factor):
     return factor * (costs[-1] - sum(floors(space)))
 
 
-@pytest.mark.parametrize("arch,axes", CASES)
-@pytest.mark.parametrize("factor", [1, 10])
-def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, arch, axes, factor):
+@pytest.mark.parametrize("factor,arch,axes", BUDGETED)
+def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, factor, arch, axes):
     import autoshard.cost.search as S
     from autoshard.cost.lazy_search import warm_records
     from autoshard.passes.spmd import lazy_programs, unchanged_graphs
@@ -69,9 +72,8 @@ def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, arch,
     assert seen["stopped"] >= 5 and seen["whole"] >= 1, seen
 
 
-@pytest.mark.parametrize("arch,axes", CASES)
-@pytest.mark.parametrize("factor", [1, 10])
-def test_shared_records_equal_the_options_own(arch, axes, factor):
+@pytest.mark.parametrize("factor,arch,axes", SHARED)
+def test_shared_records_equal_the_options_own(factor, arch, axes):
     from autoshard.cost.lazy_search import by_count
     from autoshard.passes.spmd import lazy_programs, unchanged_graphs
 
