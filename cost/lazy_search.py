@@ -145,15 +145,13 @@ def fragile_names(space, axis, opt) -> frozenset:
     return frozenset(n for n in opt.pair[1] if not n.endswith(SOFT_MARK) and _fragile(space, n, axis))
 
 
-def option_floor(space, axis, opt, zero_sharded: bool, alone: bool = False) -> float:
+def option_floor(space, axis, opt, zero_sharded: bool) -> float:
     """Seconds of blocking communication on ``axis`` every candidate holding ``opt`` there pays
-    at least (see the module's docstring). ``zero_sharded``: ZeRO 2/3 is in the space.
-    ``alone``: for the candidates holding no name of ``opt`` on another axis (where a fragile
-    name keeps its units)."""
+    at least (see the module's docstring), where no other axis holds a fragile name of ``opt``
+    (:func:`fragile_names`: elsewhere such an option's floor is 0). ``zero_sharded``: ZeRO 2/3
+    is in the space."""
     names = opt.pair[1]
     if space.mesh.axes[axis] == 1 or not names:
-        return 0.0
-    if not alone and fragile_names(space, axis, opt):
         return 0.0
     got = space._axis_records(axis, names)
     if got is None:
@@ -185,18 +183,18 @@ class LazyCandidates:
         self._fragile: dict = {}  # (axis, names) -> (its fragile names, the option), where it has any
         self._alone: dict = {}  # (axis, names) -> its floor where its names are on no other axis
         for axis, opts in zip(space.mesh.names, space.per_axis_options()):
+            got = {}
             # fewest names first: a larger option's budgeted records are often a smaller one's
             # (cost/prefix_records.py)
-            got = {i: option_floor(space, axis, opts[i], self._zero_sharded) for i in by_count(opts)}
+            for i in by_count(opts):
+                frag = fragile_names(space, axis, opts[i]) if space.mesh.axes[axis] > 1 else frozenset()
+                if frag:
+                    self._fragile[opts[i].pair] = (frag, opts[i])
+                got[i] = 0.0 if frag else option_floor(space, axis, opts[i], self._zero_sharded)
             scored = sorted((x, i) for i, x in got.items())
             self.options.append([opts[i] for _, i in scored])
             values.append([x for x, _ in scored])
             self.floor.update((opts[i].pair, x) for x, i in scored)
-            if space.mesh.axes[axis] > 1:
-                for o in opts:
-                    frag = fragile_names(space, axis, o)
-                    if frag:
-                        self._fragile[o.pair] = (frag, o)
         self.base = sum(floors(space)) if base is None else base  # ``base``: that sum, if known
         self._product = LazyProduct(values)
         self.taken = 0
@@ -216,7 +214,7 @@ class LazyCandidates:
                 total += self.floor[pair]
                 continue
             if pair not in self._alone:
-                self._alone[pair] = option_floor(self._space, pair[0], opt, self._zero_sharded, alone=True)
+                self._alone[pair] = option_floor(self._space, pair[0], opt, self._zero_sharded)
             total += self._alone[pair]
         return total
 

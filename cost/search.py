@@ -982,8 +982,7 @@ class SearchSpace:
     def _bounds(self, cand: Candidate):
         key = cand.axes
         if key not in self._lb_cache:
-            sets = {a: {n.rstrip(SOFT_MARK) for n in names} | {k for k, v in self.extra.items() if v and a in v}
-                    for a, names in cand.axes}
+            sets = self._split_names(cand)
             total = saved = biggest = 0.0
             for touch, table in self._groups.items():
                 s = frozenset(a for a, names in sets.items() if names & touch and self.mesh.axes[a] > 1)
@@ -1037,7 +1036,7 @@ class SearchSpace:
         # one-axis programs depend on the axis size, not its name: shared across mesh shapes;
         # and on the units the names resolve to, not on the names: name sets giving the same
         # units share one rewrite
-        extra1 = tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
+        extra1 = self._extra_on(axis)
         size = self.mesh.axes[axis]
         ukey = ("axis-units", self.reduced is not None, size, names, extra1)
         units = self._shared.get(ukey)
@@ -1052,8 +1051,7 @@ class SearchSpace:
 
     def _resolved1(self, axis, names: frozenset) -> Layout:
         """The one-axis layout of ``names`` on ``axis`` resolved (cached; LayoutError as resolving)."""
-        key = ("axis-layout", self.reduced is not None, self.mesh.axes[axis], names,
-               tuple(sorted(k for k, v in self.extra.items() if v and axis in v)))
+        key = ("axis-layout", self.reduced is not None, self.mesh.axes[axis], names, self._extra_on(axis))
         got = self._shared.get(key)
         if got is None:
             try:
@@ -1068,9 +1066,18 @@ class SearchSpace:
     def _layout1(self, axis, names: frozenset) -> dict:
         """The one-axis layout of ``names`` on ``axis`` (renamed "axis"), with the glob entries."""
         layout1 = {n.rstrip(SOFT_MARK): "axis" + (SOFT_MARK if n.endswith(SOFT_MARK) else "") for n in names}
-        for k in sorted(k for k, v in self.extra.items() if v and axis in v):
+        for k in self._extra_on(axis):
             layout1[k] = "axis"
         return layout1
+
+    def _extra_on(self, axis) -> tuple:
+        """The constraint entries that are not names (globs, inferred names) on ``axis``, sorted."""
+        return tuple(sorted(k for k, v in self.extra.items() if v and axis in v))
+
+    def _split_names(self, cand: Candidate) -> dict:
+        """{axis: the names ``cand`` splits on it, soft ones by their name, and the constraint
+        entries that are not names on it}."""
+        return {a: {n.rstrip(SOFT_MARK) for n in names} | set(self._extra_on(a)) for a, names in cand.axes}
 
     def _touched(self, src, info) -> frozenset:
         """First atoms of the dims of ``src``'s value (what a collective on it touches)."""
@@ -1246,8 +1253,7 @@ class SearchSpace:
         except self._LayoutError:
             return 0.0, True
         units2 = resolved2.units
-        sets = {a: {n.rstrip(SOFT_MARK) for n in names} | {k for k, v in self.extra.items() if v and a in v}
-                for a, names in cand.axes}
+        sets = self._split_names(cand)
         data_axis = None
         if cand.zero_stage >= 2:
             axes = self._placed(cand)[1]  # raises LayoutError without a data axis, as _full_state
@@ -1311,8 +1317,7 @@ class SearchSpace:
         got = self._axis_records(d, names)
         resolved2 = self._cand_units(cand)
         if got is not None and got[0] == (tuple(sorted(resolved2.units[d])), tuple(sorted(resolved2.soft.get(d, ())))):
-            sets = {a: {n.rstrip(SOFT_MARK) for n in ns} | {k for k, v in self.extra.items() if v and a in v}
-                    for a, ns in cand.axes}
+            sets = self._split_names(cand)
             for (kind, nbytes, touch, _), mult in got[2].items():
                 div = 1  # each other axis that may split the gradient divides it at most by its size
                 for b, bnames in sets.items():
@@ -1326,7 +1331,7 @@ class SearchSpace:
             i_axis = self.mesh.names.index(d)
             nbytes = 0.0
             for inp, place, cnt in zip(self._st_inputs, in_places, self._st_counts):
-                if storage.get(inp.name) is None or not isinstance(places[inp.name][i_axis], Replicate):
+                if not _gathered(storage, places, inp.name, i_axis):
                     continue
                 v = self.vals[inp.name]
                 nbytes += cnt * _local_numel(v.shape, place, self.mesh) * v.element_size()
@@ -1358,7 +1363,7 @@ class SearchSpace:
             fqns = []
             for name, fqn in self._gatherable:
                 red = fold.get(name) if fold is not None else name
-                if red is not None and storage.get(red) is not None and isinstance(places[red][i_axis], Replicate):
+                if red is not None and _gathered(storage, places, red, i_axis):
                     fqns.append(fqn)
             got = self._unit_latencies[key] = least_unit_latency(
                 fqns, self.units, *(collective_seconds(self.cm, self.mesh, kind, (axis,), 0.0)
@@ -1375,8 +1380,7 @@ class SearchSpace:
         i_axis = self.mesh.names.index(axis)
         total = 0.0
         for inp, place, cnt in zip(self._st_inputs, in_places, self._st_counts):
-            st = storage.get(inp.name)
-            if st is None or not isinstance(places[inp.name][i_axis], Replicate):
+            if not _gathered(storage, places, inp.name, i_axis):
                 continue
             v = self.vals[inp.name]
             nbytes = _local_numel(v.shape, place, self.mesh) * v.element_size()
@@ -1517,6 +1521,12 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
         # ops without a rule warn once, when the chosen plan is built, not per candidate
         warnings.simplefilter("ignore", UnsupportedOpWarning)
         return _search(space, keep, progress, verbose, refine, incumbent, t0, lazy)
+
+
+def _gathered(storage: dict, places: dict, name: str, i_axis: int) -> bool:
+    """Whether ZeRO-3 gathers input ``name`` on the mesh axis at index ``i_axis``: stored sharded
+    (``storage``) and read whole there (``places``, its use placements)."""
+    return storage.get(name) is not None and isinstance(places[name][i_axis], Replicate)
 
 
 @contextlib.contextmanager

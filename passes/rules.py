@@ -1098,13 +1098,19 @@ DECOMPOSITIONS = {
 
 def is_inplace(op) -> bool:
     """Whether an aten op writes into its first argument (``add_``, ``copy_``, ``index_put_``)."""
+    return _per_op(_INPLACE, op, _schema_writes_first)
+
+
+def _per_op(table: dict, op, read) -> bool:
+    """``read(op)``, memoized in ``table``: read from the op's schema once per op, as the rewrite
+    asks per node (an unhashable callable is read each time)."""
     try:
-        return _INPLACE[op]  # read from the schema once per op: the rewrite asks per node
+        return table[op]
     except KeyError:
         pass
-    except TypeError:  # an unhashable callable
-        return _schema_writes_first(op)
-    _INPLACE[op] = got = _schema_writes_first(op)
+    except TypeError:
+        return read(op)
+    table[op] = got = read(op)
     return got
 
 
@@ -1123,14 +1129,7 @@ def _is_view(node: fx.Node) -> bool:
         return False
     if node.target is GETITEM:
         return isinstance(node.args[0], fx.Node) and _is_view(node.args[0])
-    try:
-        return _VIEW[node.target]  # read from the schema once per op: the rewrite asks per node
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable callable
-        return _schema_returns_view(node.target)
-    _VIEW[node.target] = got = _schema_returns_view(node.target)
-    return got
+    return _per_op(_VIEW, node.target, _schema_returns_view)
 
 
 def _schema_returns_view(op) -> bool:

@@ -64,7 +64,6 @@ def test_a_combinations_bound_is_at_most_each_of_its_candidates_own_bound():
         # both sides are float sums of the same non-negative terms or smaller ones, in other orders
         # (a few hundred terms): a rounding slack of that many ulps, nothing more
         assert lazy.bound(c) <= own * (1 + 512 * sys.float_info.epsilon), (c.describe(), lazy.bound(c), own)
-        # the combination's own bound (fragile names alone on their axis keep their floor)
         checked += 1
     assert checked > 1000
     # and it is not vacuous: most combinations carry a positive communication floor
