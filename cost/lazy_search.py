@@ -50,6 +50,7 @@ from autoshard.passes.soft import SOFT_MARK
 from .candidate import Candidate
 from .lazy_product import LazyProduct
 from .model import _state_inputs, collective_seconds
+from .prefix_records import reaches
 
 # A space whose product of axis options is at most this is enumerated whole: the lazy order
 # needs every option's one-axis rewrite first, which costs more than bounding a few hundred
@@ -235,15 +236,32 @@ def by_count(opts) -> list:
     return sorted(range(len(opts)), key=lambda i: opts[i].count)
 
 
-def warm_records(space) -> None:
-    """Every axis option's one-axis records, fewest names first, at the space's current budget:
-    taken in that order, an option's budgeted records are often a smaller option's
-    (cost/prefix_records.py), where the search's own order (least compute first: most names
-    first) would rewrite each."""
+def warm_records(space, pairs=None) -> None:
+    """Every axis option's one-axis records at the space's current budget (or those of the
+    options ``pairs``, (axis, names) each), in the order of the nodes where the option's units
+    start to decide (:func:`reach_order`)."""
     for axis, opts in zip(space.mesh.names, space.per_axis_options()):
+        if pairs is not None:
+            opts = [o for o in opts if o.pair in pairs]
         if space.mesh.axes[axis] > 1:
-            for i in by_count(opts):
+            for i in reach_order(space, axis, opts):
                 space._axis_records(axis, opts[i].pair[1])
+
+
+def reach_order(space, axis, opts) -> list:
+    """Indices of axis options ``opts`` of ``axis``, in the order of the (node, unit) sequences
+    at which their units start to decide (``cost.prefix_records.reaches``; fewest names first
+    among the rest). Taken so, an option's budgeted records are often those of one before it
+    that it extends by a unit deciding later (``cost/prefix_records.py``), and otherwise its
+    rewrite resumes from the longest prefix it shares with the one before
+    (``passes/rewrite_state.py``); the search's own order (least compute first: most names
+    first) would rewrite each whole."""
+    first = space._resume_path(space.mesh.axes[axis]).first
+
+    def key(i):
+        units = space.option_units(axis, opts[i].pair[1])
+        return (0, [(p, repr(u)) for p, u in reaches(first, units)]) if units is not None else (1, opts[i].count)
+    return sorted(range(len(opts)), key=key)
 
 
 def seed_combinations(space) -> list:

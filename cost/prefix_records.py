@@ -32,11 +32,27 @@ Example::
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from torch import fx
 
+from autoshard.passes.rewrite_state import Checkpoints
 from autoshard.passes.untouched import first_reads, reach
+
+
+def deciding(first: dict, units, stop: int) -> tuple:
+    """The units of ``units`` ((hard, soft), in order) that can split a dim of the nodes up to
+    node ``stop`` (``first``: ``passes.untouched.first_reads``)."""
+    hard, soft = units
+    soft = tuple(u for u in soft if reach(first, u, False) <= stop)
+    return tuple(u for u in hard if reach(first, u, bool(soft)) <= stop), soft
+
+
+def reaches(first: dict, units) -> list:
+    """The nodes at which ``units`` ((hard, soft)) start to decide, with the unit, in order."""
+    hard, soft = units
+    return sorted([(reach(first, u, bool(soft)), u) for u in hard] + [(reach(first, u, False), u) for u in soft])
 
 
 class PrefixRecords:
@@ -49,9 +65,7 @@ class PrefixRecords:
         self._by_stop: dict = {}  # stop node index -> {units deciding up to it: (budget, records)}
 
     def _deciding(self, units, stop: int) -> tuple:
-        hard, soft = units
-        soft = tuple(u for u in soft if reach(self.first, u, False) <= stop)
-        return tuple(u for u in hard if reach(self.first, u, bool(soft)) <= stop), soft
+        return deciding(self.first, units, stop)
 
     def find(self, units, budget: float) -> Optional[tuple]:
         """(records, budget they reached) of an option whose rewrite stopped at a node up to which
@@ -68,3 +82,47 @@ class PrefixRecords:
         key = self._deciding(units, stop)
         if key not in table or table[key][0] < budget:
             table[key] = (budget, records)
+
+
+class ResumePath:
+    """Saved states of the latest one-axis rewrites of one search space and axis size, at the
+    nodes where some axis option's units start to decide (``positions``), for the next rewrite
+    to start from the latest one its units decide alike before (``passes/rewrite_state.py``).
+
+    The saved states form one path: each is a state of the rewrite that saved the next. A
+    rewrite resumed from one keeps the path up to it and saves its own after it, so taking the
+    options in the order of the nodes where their units start to decide (:func:`reaches`)
+    resumes each from the longest prefix it shares with the one before.
+
+    Example::
+
+        path = ResumePath(first_reads(graph, info), positions)
+        state, marks = path.start(units, cost, budget)  # state: None, or where to resume
+        rewrite(..., resume=state, checkpoints=marks)
+    """
+
+    def __init__(self, first: dict, positions):
+        self.first = first
+        self.positions = frozenset(p for p in positions if math.isfinite(p))
+        self._path: list = []  # [(position, units deciding before it, RewriteState)], by position
+
+    def start(self, units, cost=None, budget: float = math.inf) -> tuple:
+        """(the saved state to resume a rewrite of ``units`` from, or None; the Checkpoints
+        for that rewrite). A state qualifies where ``units`` decide alike before its node, after
+        the node where they first decide, and (for a rewrite that stops at a budget) its
+        collectives cost (by ``cost(collectives)``) less than ``budget``: a rewrite with
+        ``units`` would not have stopped before it."""
+        begin = min((p for p, _ in reaches(self.first, units)), default=math.inf)
+        agree = 0
+        while agree < len(self._path) and self._path[agree][1] == deciding(self.first, units, self._path[agree][0] - 1):
+            agree += 1
+        use = next((i for i in range(agree - 1, -1, -1)
+                    if self._path[i][0] > begin and (cost is None or cost(self._path[i][2].collectives) < budget)), None)
+        del self._path[(use + 1 if use is not None else agree):]
+        state = self._path[use][2] if use is not None else None
+
+        def take(saved):
+            while self._path and self._path[-1][0] >= saved.position:  # (states of a rewrite before this one)
+                self._path.pop()
+            self._path.append((saved.position, deciding(self.first, units, saved.position - 1), saved))
+        return state, Checkpoints(self.positions, take)

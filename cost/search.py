@@ -68,7 +68,7 @@ from autoshard.passes.experts import find_expert_regions
 from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, checkpointed_segments, has_blocks
 from .compute import roofline_time
 from .candidate import Candidate
-from .prefix_records import PrefixRecords
+from .prefix_records import PrefixRecords, ResumePath, reaches
 from .zero_units import least_unit_latency
 from .lazy_search import (LazyCandidates, floors, latency_bound, most_named, product_size, seed_combinations,
                           use_lazy, warm_records)
@@ -439,6 +439,7 @@ class SearchSpace:
         # one-axis rewrites stop there (:meth:`_axis_records`); None: rewrite them whole
         self.records_budget: Optional[float] = None
         self._prefix: Optional[PrefixRecords] = None  # budgeted records by the units deciding them
+        self._paths: dict = {}  # axis size -> ResumePath of its one-axis rewrites
         self._prepare_bounds()
 
     # ------------------------------------------------------------------ enumeration
@@ -1147,17 +1148,21 @@ class SearchSpace:
             resolved = self._resolved1(axis, names)
             units = key[3]  # (the records' key holds the sorted units: _records_key)
             kwargs = self.context.rewrite_kwargs(graph, info, resolved, mesh1)
-            if isinstance(emitted, _Budgeted) and not kwargs:
-                shared_units = prefix_units(resolved)
-            if shared_units is not None:
-                if self._prefix is None:
-                    self._prefix = PrefixRecords(graph, info)
-                got = self._prefix.find(shared_units, budget)
+            local_units = None if kwargs else prefix_units(resolved)  # (where it may be saved and resumed)
+            budgeted = isinstance(emitted, _Budgeted)
+            if budgeted and local_units is not None:
+                shared_units = local_units
+                got = self._prefix_records().find(shared_units, budget)
                 if got is not None:  # the same collectives up to where another option's rewrite stopped
                     (agg, g_agg), reached = got
                     out = (units, agg, g_agg, (self, reached))
                     cache[key] = out
                     return out
+            if local_units is not None:
+                # from the latest saved state of another option's rewrite up to which the units
+                # decide the same (passes/rewrite_state.py)
+                kwargs["resume"], kwargs["checkpoints"] = self._resume_path(size).start(
+                    local_units, emitted.cost if budgeted else None, budget if budgeted else math.inf)
             self.rewrites += 1
             with lazy_programs():
                 rewrite(graph, info, resolved, mesh1, grad, self.display, collectives_only=True, collectives=emitted,
@@ -1195,6 +1200,37 @@ class SearchSpace:
             self._prefix.add(shared_units, stopped["position"], emitted.spent, (agg, g_agg))
         cache[key] = out
         return out
+
+    def option_units(self, axis, names: frozenset) -> Optional[tuple]:
+        """The (hard, soft) units of the one-axis layout of ``names`` on ``axis`` in layout order,
+        where its rewrite may be saved and resumed (``passes.untouched.prefix_units``); else None."""
+        try:
+            resolved = self._resolved1(axis, names)
+        except self._LayoutError:
+            return None
+        return prefix_units(resolved)
+
+    def _prefix_records(self) -> PrefixRecords:
+        """The PrefixRecords of this space's one-axis rewrites (made on first use)."""
+        if self._prefix is None:
+            r = self.reduced
+            self._prefix = PrefixRecords(*((r.graph, r.info) if r is not None else (self.graph, self.info)))
+        return self._prefix
+
+    def _resume_path(self, size: int) -> ResumePath:
+        """The ResumePath of the one-axis rewrites of axis size ``size``, saving states at the
+        nodes where a unit of an option of an axis of that size starts to decide."""
+        if size not in self._paths:
+            first = self._prefix_records().first
+            positions = set()
+            for axis, opts in zip(self.mesh.names, self.per_axis_options()):
+                if self.mesh.axes[axis] == size:
+                    for o in opts:
+                        units = self.option_units(axis, o.pair[1])
+                        if units is not None:
+                            positions.update(p for p, _ in reaches(first, units))
+            self._paths[size] = ResumePath(first, positions)
+        return self._paths[size]
 
     def stopped_records(self, cand: Candidate) -> bool:
         """Whether a known one-axis record of ``cand``'s axes stopped at a budget."""
@@ -1446,6 +1482,16 @@ class _Budgeted(list):
         if self.spent >= self._budget:
             raise _OverBudget()
 
+    def extend(self, cs):
+        """Collectives a resumed rewrite starts with (counted; below the budget: ``ResumePath.start``)."""
+        for c in cs:
+            super().append(c)
+            self.spent += self._seconds(c)
+
+    def cost(self, cs) -> float:
+        """What collectives ``cs`` would add to :attr:`spent`."""
+        return sum(self._seconds(c) for c in cs)
+
 
 class _CachedNames:
     """A read-only view of a DimInfo whose ``all_names`` / ``lookup`` are computed once (the
@@ -1661,7 +1707,9 @@ def _search(space, keep, progress, verbose, refine, incumbent, t0, lazy=None):
         rest = order[1:]
         if found:
             space.records_budget = found[0].cost.step_time - least
-            rest = sorted((h for h in rest if not h[2].zero_stage), key=lambda h: (stopped(h[2]), h[0], h[1]))
+            rest = [h for h in rest if not h[2].zero_stage]
+            warm_records(space, {pair for h in rest for pair in h[2].axes})  # (in the order that resumes rewrites)
+            rest.sort(key=lambda h: (stopped(h[2]), h[0], h[1]))
             space._cb_cache.clear()  # (bounds from records at the provisional budget)
         for _, k, c in rest:
             if evaluated >= 2 * keep:

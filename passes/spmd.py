@@ -51,10 +51,11 @@ from .layout_error import LayoutError
 from .lowering import Lowering
 from .reasons import explain
 from .regions import no_grad_node
+from .rewrite_state import Checkpoints, RewriteState, restore, save
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
                     get_path, is_inplace, is_tensor_node, shape_of)
 from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
-from .untouched import first_reads, input_prefixes, untouched_prefix, whole_inputs
+from .untouched import first_reads, input_prefixes, input_reads, units_if_local, untouched_prefix, whole_inputs
 from .zero_storage import ZeroStorage
 from .zigzag import zigzag_dim
 
@@ -203,6 +204,17 @@ class _CollectivesOnly:
 
     def output(self, result):
         return _Value("output", "output", "output", (result,), {})
+
+
+@dataclass
+class _Inputs:
+    """What a rewrite has decided of the placeholders: their placements as stored, the program's
+    placeholders ((name, kind, index into the captured inputs): ``Program.placeholders``) and the
+    placements where they are used, by name."""
+
+    places: list = field(default_factory=list)
+    placeholders: list = field(default_factory=list)
+    use: dict = field(default_factory=dict)
 
 
 class _Rewriter:
@@ -366,40 +378,31 @@ class _Rewriter:
         return v if isinstance(v, torch.Tensor) else None
 
     # ------------------------------------------------------------------ ops
-    def run(self) -> Program:
-        input_places = []
+    def run(self, resume: Optional[RewriteState] = None, checkpoints: Optional[Checkpoints] = None) -> Program:
+        inputs = _Inputs()
         out_places = []
-        placeholders, use_places = [], {}
         # building no graph, the nodes before the layout's first touch are recorded whole
         whole, whole_in = 0, frozenset()
         if isinstance(self.g, _CollectivesOnly):
             whole = untouched_prefix(self, _memo_value(self.g0, self.info, "first_reads", first_reads))
             whole_in = whole_inputs(self, _memo_value(self.g0, self.info, "input_prefixes", input_prefixes))
-        for self.position, node in enumerate(self.g0.nodes):
+        nodes = _memo_value(self.g0, self.info, "nodes", lambda g, _: list(g.nodes))
+        start = 0
+        if resume is not None:  # (passes/rewrite_state.py)
+            start = resume.position
+            inputs = _Inputs(*restore(self, resume))
+            read = _memo_value(self.g0, self.info, "input_reads", input_reads)
+            for index, node in enumerate(n for n in nodes if n.op == "placeholder"):
+                if read.get(node, math.inf) >= start:  # placed by this layout, where it is read
+                    self.visit_input(node, index, whole_in, inputs)
+        for self.position in range(start, len(nodes)):
+            node = nodes[self.position]
+            if checkpoints is not None and self.position in checkpoints.positions and self.position > start:
+                checkpoints.take(save(self, inputs))
             if node.op == "call_function" and self.position < whole:
                 self.visit_whole(node)
-            elif node in whole_in:  # (a tensor input no unit of the layout splits)
-                self.local[node] = node
-                placeholders.append((node.name, "input", len(input_places)))
-                use_places[node.name] = self.whole
-                self.place[node] = [self.whole]
-                input_places.append(use_places[node.name])
             elif node.op == "placeholder":
-                new = self.g.placeholder(node.name)
-                new.meta = dict(node.meta)
-                self.local[node] = new
-                index = len(input_places)
-                placeholders.append((node.name, "input", index))
-                if is_tensor_node(node):
-                    st = self.zero.storage.get(node.name)
-                    use_places[node.name] = self.fixed.get(node.name) or self.desired(node)
-                    self.place[node] = [st.placement if st else use_places[node.name]]
-                    new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
-                    if st is not None and st.mode == "persistent":
-                        self.zero.add_full_copy(self, node, index, placeholders)
-                else:
-                    self.place[node] = [tuple(R for _ in self.axes)]
-                input_places.append(self.place[node][0])
+                self.visit_input(node, len(inputs.places), whole_in, inputs)
             elif node.op == "call_function":
                 self.visit(node)
             elif node.op == "output":
@@ -428,9 +431,38 @@ class _Rewriter:
         zero = self.zero
         # (inside lazy_programs() the Python code is generated only if the program is run or printed)
         gm = None if isinstance(self.g, _CollectivesOnly) else _make_graph_module(torch.nn.Module(), self.g)
-        return Program(gm, {n.name: p for n, p in self.place.items()}, input_places, out_places,
-                       self.collectives, self.fallbacks, placeholders, frozenset(zero.reshard_tags),
-                       dict(zero.storage), use_places, bucketed)
+        return Program(gm, {n.name: p for n, p in self.place.items()}, inputs.places, out_places,
+                       self.collectives, self.fallbacks, inputs.placeholders, frozenset(zero.reshard_tags),
+                       dict(zero.storage), inputs.use, bucketed)
+
+    def visit_input(self, node: fx.Node, index: int, whole_in: frozenset, inputs: "_Inputs"):
+        """Place placeholder ``node`` (the ``index``-th): whole where it is in ``whole_in`` (no unit
+        of the layout splits it), else as stored (ZeRO storage) or as its dims' units give. An
+        input placed again (on resume: passes/rewrite_state.py) keeps its entries' order."""
+        again = index < len(inputs.places)
+        if not again:
+            inputs.placeholders.append((node.name, "input", index))
+        if node in whole_in:
+            self.local[node] = node
+            inputs.use[node.name] = self.whole
+            self.place[node] = [self.whole]
+        else:
+            new = self.g.placeholder(node.name)
+            new.meta = dict(node.meta)
+            self.local[node] = new
+            if is_tensor_node(node):
+                st = self.zero.storage.get(node.name)
+                inputs.use[node.name] = self.fixed.get(node.name) or self.desired(node)
+                self.place[node] = [st.placement if st else inputs.use[node.name]]
+                new.meta["val"] = self.meta_local(node.meta["val"], self.place[node][0])
+                if st is not None and st.mode == "persistent":
+                    self.zero.add_full_copy(self, node, index, inputs.placeholders)
+            else:
+                self.place[node] = [tuple(R for _ in self.axes)]
+        if again:
+            inputs.places[index] = self.place[node][0]
+        else:
+            inputs.places.append(self.place[node][0])
 
     def visit_whole(self, node: fx.Node):
         """A node before the layout's first touch (passes/untouched.py), in a rewrite building no
@@ -942,7 +974,8 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
             storage=None, bucket_axis=None, bucket_candidates=(), regions=None, fixed=None,
             collectives_only: bool = False, region_axis=None,
             user_inputs=(), data_axes=(), collectives: Optional[list] = None,
-            stopped: Optional[dict] = None) -> Program:
+            stopped: Optional[dict] = None, resume: Optional[RewriteState] = None,
+            checkpoints: Optional[Checkpoints] = None) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
@@ -958,7 +991,11 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     appended to as the rewrite emits them, in program order (the layout search passes one that
     stops a one-axis rewrite once what it has emitted already bounds the candidates out).
     ``stopped``: set, when the rewrite ends, to ``{"position": index in graph.nodes of the node it
-    was at}`` (where such a list stopped it)."""
+    was at}`` (where such a list stopped it). ``checkpoints``: where to save the rewrite's state
+    and what to give each to; ``resume``: a state saved so by a rewrite of another layout whose
+    units decide alike before its node, to start from there (``passes/rewrite_state.py``; both
+    only with ``collectives_only`` and a layout each of whose nodes decides from its own values'
+    units)."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = _memo_nodes(graph, "requires_grad", grad_inputs, requires_grad_nodes)
@@ -966,8 +1003,12 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
                          bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs, data_axes)
     if collectives is not None:
         rewriter.collectives = collectives
+    if (resume is not None or checkpoints is not None) and (
+            not collectives_only or rewriter.regions or units_if_local(rewriter) is None):
+        raise ValueError("a rewrite's state is saved or resumed only building no graph, for a layout each of whose "
+                         "nodes decides from its own values' units (passes/rewrite_state.py)")
     try:
-        return rewriter.run()
+        return rewriter.run(resume, checkpoints)
     finally:
         if stopped is not None:
             stopped["position"] = rewriter.position

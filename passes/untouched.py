@@ -66,7 +66,18 @@ def input_prefixes(graph: fx.Graph, info) -> dict:
     return out
 
 
-def _units_if_local(rw) -> Optional[tuple]:
+def input_reads(graph: fx.Graph, info=None) -> dict:
+    """{placeholder: index in ``graph.nodes`` of the first node reading it} (unread ones absent):
+    where a layout decides an input's placement (see :func:`first_reads`)."""
+    out: dict = {}
+    for i, node in enumerate(graph.nodes):
+        for a in node.all_input_nodes:
+            if a.op == "placeholder":
+                out.setdefault(a, i)
+    return out
+
+
+def units_if_local(rw) -> Optional[tuple]:
     """``rw``'s layout's :func:`prefix_units`, where each node's decisions depend only on the
     units of its own values; None for layouts read as a whole, inputs placed by another pass,
     and rewrites that note every read (sharded state, gradient buckets and regions)."""
@@ -79,7 +90,7 @@ def whole_inputs(rw, prefixes: dict) -> frozenset:
     """The tensor placeholders that ``rw``'s layout leaves whole on every axis (no unit of it is a
     prefix of their dims' leaves: :func:`input_prefixes`), where the rewrite records them whole
     without placing each (as :func:`untouched_prefix`: empty where that is 0 for the layout)."""
-    units = _units_if_local(rw)
+    units = units_if_local(rw)
     if units is None:
         return frozenset()
     hard = frozenset(units[0])
@@ -114,7 +125,7 @@ def untouched_prefix(rw, first: dict) -> int:
     another pass lowers or that has no sharding rule (its fallback is recorded). 0 for layouts
     read as a whole (:func:`prefix_units`; inputs placed by another pass) and rewrites that
     note every read (sharded state, gradient buckets and regions)."""
-    units = _units_if_local(rw)
+    units = units_if_local(rw)
     if units is None:
         return 0
     hard, soft = units

@@ -4,7 +4,8 @@
   inputs no unit splits, as whole without deciding each (passes/untouched.py). Every one-axis
   rewrite of a search, at a budget or whole, must emit exactly the collectives of the full
   rewrite (which decides every node and builds the graph): all of them when it runs to the end,
-  their first ones when the budget stops it; with the same placements when it ends.
+  their first ones when the budget stops it; with the same placements when it ends. That holds
+  too for the rewrites resumed from another option's saved state (passes/rewrite_state.py).
 - An option whose units decide the same as another's up to the node where that one's budgeted
   rewrite stopped takes its records (cost/prefix_records.py): they must equal the records of
   its own budgeted rewrite.
@@ -45,10 +46,12 @@ def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, facto
     from autoshard.passes.spmd import lazy_programs, unchanged_graphs
 
     plan, space = hf_planned(arch, axes)
-    real, seen = S.rewrite, {"stopped": 0, "whole": 0}
+    real, seen = S.rewrite, {"stopped": 0, "whole": 0, "resumed": 0}
 
     def both(*a, **k):
-        full = real(*a, **{**k, "collectives_only": False, "collectives": None, "stopped": None})
+        full = real(*a, **{**k, "collectives_only": False, "collectives": None, "stopped": None, "resume": None,
+                           "checkpoints": None})
+        seen["resumed"] += k.get("resume") is not None
         emitted = k["collectives"]
         try:
             got = real(*a, **k)
@@ -68,8 +71,9 @@ def test_budgeted_rewrites_emit_the_full_rewrites_collectives(monkeypatch, facto
     with warnings.catch_warnings(), unchanged_graphs(), lazy_programs():
         warnings.simplefilter("ignore")
         warm_records(space)
-    # both kinds met, many times (the budgets are the search's own, not ones that stop nothing)
-    assert seen["stopped"] >= 5 and seen["whole"] >= 1, seen
+    # both kinds met, many times (the budgets are the search's own, not ones that stop nothing),
+    # and rewrites resumed from another option's saved state among them (passes/rewrite_state.py)
+    assert seen["stopped"] >= 5 and seen["whole"] >= 1 and seen["resumed"] >= 5, seen
 
 
 @pytest.mark.parametrize("factor,arch,axes", SHARED)
