@@ -106,7 +106,7 @@ def floors(space) -> tuple:
         s = frozenset(a for a, names in every.items() if names & touch and space.mesh.axes[a] > 1)
         compute += table[s][0]
     opt = 0.0
-    if space.train:  # optimizer_work's tensor count: the same inputs whatever their placements
+    if space.train:  # optimizer_phase's tensor count: the same inputs whatever their placements
         n = sum(cnt for *_, cnt in _state_inputs(space._st_inputs, space.vals, [None] * len(space._st_inputs), {},
                                                  space._st_counts))
         opt = n * space.cm.hardware.device.op_overhead

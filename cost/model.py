@@ -62,7 +62,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "CostModel", "PlanCost", "resolve_cost_model", "collective_seconds", "payload_bytes",
-    "program_events", "simulate", "state_memory", "optimizer_collectives", "block_of_module",
+    "program_events", "simulate", "state_memory", "optimizer_phase", "block_of_module",
     "formula_text", "formula_for",
 ]
 
@@ -548,25 +548,6 @@ def _state_terms(inp, v, es, place, use, cnt, persistent, zero1_axis, mesh, cm, 
     return kind, params, cnt * es * stored, cnt * cm.opt_bytes(es) * opt
 
 
-def optimizer_collectives(inputs, vals, input_places, mesh, *, zero_stage: int, data_axes=(), storage=None,
-                          use_places=None, counts=None) -> list:
-    """(kind, axes, input bytes) of the optimizer-phase all-gathers: ZeRO-1 gathers each
-    parameter's updated slice, ZeRO-2 refreshes the full copy from the updated shard."""
-    storage = storage or {}
-    use_places = use_places or {}
-    out = []
-    for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts):
-        if zero_stage == 1 and data_axes:
-            axis = data_axes[0]
-            if slice_dim_for(use, v.shape, mesh, axis) is not None:
-                out += [("all_gather", (axis,), es * _local_numel(v.shape, use, mesh) // mesh.axes[axis])] * cnt
-            continue
-        st = storage.get(inp.name)
-        if st is not None and st.mode == "persistent":
-            out += [("all_gather", (st.axis,), es * _local_numel(v.shape, place, mesh))] * cnt
-    return out
-
-
 # --------------------------------------------------------------------------- the timeline
 
 @dataclass
@@ -807,23 +788,49 @@ def _sent_bytes(kind, input_bytes, axis_label, mesh) -> float:
     return collective_bytes(kind, payload_bytes(kind, input_bytes, ranks), ranks)
 
 
-def optimizer_work(inputs, vals, input_places, mesh, cm: CostModel, *, zero_stage: int, data_axes=(),
-                   storage=None, use_places=None, counts=None) -> tuple:
-    """(elements stepped, bytes moved per element, parameter tensors) of the optimizer step
-    on this rank: Adam reads the gradient and reads and writes the parameter and its state."""
+def optimizer_phase(inputs, vals, input_places, mesh, cm: CostModel, *, zero_stage: int, data_axes=(),
+                    storage=None, use_places=None, counts=None, memo: Optional[dict] = None) -> tuple:
+    """(elements stepped, bytes moved per element, parameter tensors, collectives) of the
+    optimizer step on this rank: Adam reads the gradient and reads and writes the parameter and
+    its state; the collectives, (kind, axes, input bytes) each, are the optimizer phase's
+    all-gathers (ZeRO-1 gathers each parameter's updated slice, ZeRO-2 refreshes the full copy
+    from the updated shard). Arguments as :func:`state_memory`'s (``memo``: each parameter's
+    share by its placements, kept across calls with the same inputs, values, mesh and cost
+    model)."""
     storage = storage or {}
     use_places = use_places or {}
-    elems = 0.0
-    nbytes = 0.0
+    zero1_axis = data_axes[0] if zero_stage == 1 and data_axes else None
+    elems = nbytes = 0.0
     n = 0
+    colls = []
     for inp, v, es, place, use, cnt in _state_inputs(inputs, vals, input_places, use_places, counts):
-        k = _local_numel(v.shape, place, mesh)
-        if zero_stage == 1 and data_axes and slice_dim_for(use, v.shape, mesh, data_axes[0]) is not None:
-            k = _local_numel(v.shape, use, mesh) // mesh.axes[data_axes[0]]
-        elems += cnt * k
-        nbytes += cnt * k * (3 * es + 2 * cm.opt_bytes(es))
+        st = storage.get(inp.name)
+        full_axis = st.axis if st is not None and st.mode == "persistent" else None
+        key = (inp.name, place, use if zero1_axis is not None else None, zero1_axis, full_axis, cnt)
+        terms = memo.get(key) if memo is not None else None
+        if terms is None:
+            terms = _optimizer_terms(v, es, place, use, cnt, mesh, cm, zero1_axis, full_axis)
+            if memo is not None:
+                memo[key] = terms
+        elems += terms[0]
+        nbytes += terms[1]
         n += cnt
-    return elems, (nbytes / elems if elems else 0.0), n
+        colls += terms[2]
+    return elems, (nbytes / elems if elems else 0.0), n, colls
+
+
+def _optimizer_terms(v, es, place, use, cnt, mesh, cm, zero1_axis, full_axis) -> tuple:
+    """One parameter's share of :func:`optimizer_phase`: (elements, bytes, collectives)."""
+    k = _local_numel(v.shape, place, mesh)
+    colls = []
+    if zero1_axis is not None:
+        if slice_dim_for(use, v.shape, mesh, zero1_axis) is not None:
+            whole = _local_numel(v.shape, use, mesh)
+            k = whole // mesh.axes[zero1_axis]
+            colls = [("all_gather", (zero1_axis,), es * whole // mesh.axes[zero1_axis])] * cnt
+    elif full_axis is not None:
+        colls = [("all_gather", (full_axis,), es * k)] * cnt
+    return cnt * k, cnt * k * (3 * es + 2 * cm.opt_bytes(es)), colls
 
 
 def program_cost(program, inputs, vals, mesh, cm: CostModel, *, train: bool, zero_stage: int = 0,
@@ -840,8 +847,8 @@ def program_cost(program, inputs, vals, mesh, cm: CostModel, *, train: bool, zer
     use_places = program.use_placements
     kw = dict(zero_stage=zero_stage, data_axes=list(data_axes), storage=storage, use_places=use_places)
     state = state_memory(inputs, vals, program.input_placements, mesh, cm, train=train, **kw)
-    opt = optimizer_collectives(inputs, vals, program.input_placements, mesh, **kw) if train else []
-    elems, per, n = optimizer_work(inputs, vals, program.input_placements, mesh, cm, **kw) if train else (0, 0, 0)
+    elems, per, n, opt = (optimizer_phase(inputs, vals, program.input_placements, mesh, cm, **kw) if train
+                          else (0, 0, 0, []))
     reshard = bool(program.reshard_tags)
     bucketed = bool(program.bucketed)
     cost = simulate(segments, mesh, cm, train=train, state=state, opt_colls=opt, opt_elems=elems, opt_elem_bytes=per,

@@ -74,8 +74,8 @@ from .lazy_search import (LazyCandidates, floors, latency_bound, most_named, pro
                           use_lazy, warm_records)
 from autoshard.cost.context_parallel import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
-                    collective_seconds, op_work, optimizer_collectives, optimizer_work, program_events,
-                    resolve_cost_model, simulate, state_memory)
+                    collective_seconds, op_work, optimizer_phase, program_events, resolve_cost_model, simulate,
+                    state_memory)
 
 __all__ = ["SearchSpace", "SearchResult", "Candidate", "search_layout", "factorizations", "reduce_graph"]
 
@@ -431,6 +431,7 @@ class SearchSpace:
         self._mb_state: dict = {}
         self._ob_shared: dict = {}
         self._state_terms: dict = {}  # state_memory's per-input shares, by placement
+        self._opt_terms: dict = {}  # optimizer_phase's, likewise
         self._held_ids: dict = {}  # candidate axes -> number of its held placements (by value)
         self._held_places: dict = {}  # held placements -> that number
         self._unit_latencies: dict = {}  # _held_key -> _unit_latency
@@ -890,9 +891,8 @@ class SearchSpace:
         """Predicted cost of the candidate's plan (raises LayoutError for an invalid one)."""
         st, in_places, kw = self.state(cand)
         segs = self.segments(cand)
-        opt = optimizer_collectives(self._st_inputs, self.vals, in_places, self.mesh, **kw) if self.train else []
-        elems, per, n = (optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
-                         if self.train else (0, 0, 0))
+        elems, per, n, opt = (optimizer_phase(self._st_inputs, self.vals, in_places, self.mesh, self.cm,
+                                              memo=self._opt_terms, **kw) if self.train else (0, 0, 0, []))
         axes = kw["data_axes"]
 
         def run(segments):
@@ -1435,10 +1435,11 @@ class SearchSpace:
             self._ob_cache[cand] = self._ob_shared[key]
             return self._ob_cache[cand]
         in_places, kw = self._state_args(cand)  # state_memory itself is not needed here
-        elems, per, n = optimizer_work(self._st_inputs, self.vals, in_places, self.mesh, self.cm, **kw)
+        elems, per, n, colls = optimizer_phase(self._st_inputs, self.vals, in_places, self.mesh, self.cm,
+                                               memo=self._opt_terms, **kw)
         dev = self.cm.hardware.device
         t = (elems * per) / (dev.mem_bandwidth * dev.mem_efficiency) + n * dev.op_overhead
-        for kind, axes, nbytes in optimizer_collectives(self._st_inputs, self.vals, in_places, self.mesh, **kw):
+        for kind, axes, nbytes in colls:
             t += collective_seconds(self.cm, self.mesh, kind, axes, nbytes)
         self._ob_cache[cand] = self._ob_shared[key] = t
         return t
@@ -1566,7 +1567,12 @@ def search_layout(space: SearchSpace, *, keep: int = 3, progress=None, verbose: 
     with _collector_paused(), warnings.catch_warnings(), lazy_programs(), unchanged_graphs():
         # ops without a rule warn once, when the chosen plan is built, not per candidate
         warnings.simplefilter("ignore", UnsupportedOpWarning)
-        return _search(space, keep, progress, verbose, refine, incumbent, t0, lazy)
+        try:
+            return _search(space, keep, progress, verbose, refine, incumbent, t0, lazy)
+        finally:
+            # the rewrites' saved states serve this search only; the space lives on in a cycle
+            # (its records name it), freed by the cyclic collector, which would walk them all
+            space._paths.clear()
 
 
 def _gathered(storage: dict, places: dict, name: str, i_axis: int) -> bool:
@@ -1835,6 +1841,9 @@ def plan_search(graph, inputs, info, meshes, constraints=None, *, train: bool = 
                 print(f"[autoshard] mesh {mesh}: " + (f"best {r.best.cost.step_time * 1e3:.3f} ms" if r.best else "no plan"),
                       file=sys.stderr, flush=True)
             results.append(r)
+        # the records name the spaces that made them: dropped, the spaces are freed as soon as
+        # they are, not by the cyclic collector walking everything the searches made
+        shared.clear()
     if not results:
         raise errors[0]
     ranked = sorted([e for r in results for e in ([r.best] if r.best else []) + r.alternatives],

@@ -55,7 +55,8 @@ from .rewrite_state import Checkpoints, RewriteState, restore, save
 from .rules import (GETITEM, LOCAL_ARGS, MEAN_OPS, POSITIONAL_CREATION, Indexing, _is_view, aliases_read_later,
                     get_path, is_inplace, is_tensor_node, shape_of)
 from .soft import SoftLayoutError, soft_dim, soft_feasible, split_soft
-from .untouched import first_reads, input_prefixes, input_reads, units_if_local, untouched_prefix, whole_inputs
+from .untouched import (first_reads, input_prefixes, input_reads, prefix_units, result_prefixes, units_if_local,
+                        untouched_prefix, whole_inputs)
 from .zero_storage import ZeroStorage
 from .zigzag import zigzag_dim
 
@@ -258,6 +259,11 @@ class _Rewriter:
         self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
         self.unit_index: dict = {}  # (axis, soft) -> _unit_index's answer
         self.unit_memo: dict = {}  # (atoms, axis, soft) -> unit (the layout is fixed for one rewrite)
+        # every unit of the layout, where a value is whole on every axis exactly when none of its
+        # dims' leaf prefixes is one (no soft entry, no regional unit, every unit an atom prefix)
+        units = prefix_units(layout) if not any(layout.soft.values()) else None
+        self.all_units = frozenset(units[0]) if units is not None else None
+        self.result_prefixes = _memo_value(graph, info, "result_prefixes", result_prefixes) if units else None
 
     # ------------------------------------------------------------------ layout queries
     def unit_of(self, atoms, axis, soft=False) -> Optional[tuple]:
@@ -597,6 +603,8 @@ class _Rewriter:
         if is_inplace(node.target):  # the written operand's placement is its result's
             src = node.args[0]
             return src in self.place and self.place[src][0] == whole
+        if self.all_units is not None:  # (what desired() finds, by one set operation)
+            return self.result_prefixes[node].isdisjoint(self.all_units)
         return all(self.desired(node, k) == whole for k, v in enumerate(self.out_values(node))
                    if isinstance(v, torch.Tensor))
 

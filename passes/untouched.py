@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from torch import fx
 
 from .rules import GETITEM, is_tensor_node
@@ -63,6 +64,20 @@ def input_prefixes(graph: fx.Graph, info) -> dict:
     for node in graph.nodes:
         if node.op == "placeholder" and node in info.dims and is_tensor_node(node):
             out[node] = frozenset(_leaf_prefixes(info, node))
+    return out
+
+
+def result_prefixes(graph: fx.Graph, info) -> dict:
+    """{call_function node: every prefix of the leaf atoms of its tensor results' dims}: a layout
+    (with no soft entry) none of whose units is among them splits none of its results."""
+    out = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            vals = node.meta.get("val")
+            vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+            out[node] = frozenset(lv[:k] for i, v in enumerate(vals) if isinstance(v, torch.Tensor)
+                                  for atoms in info.of(node, i) if atoms
+                                  for lv in (tuple(info.leaves(atoms)),) for k in range(1, len(lv) + 1))
     return out
 
 
