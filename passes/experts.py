@@ -702,6 +702,7 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
                                      val=meta((plan.pairs,), _tensor(r.expert_ids)))
         for p in r.params:
             target = lw.fixed(p.name) or lw.desired(p)
+            _check_whole_experts(lw, r, p, target, ep)
             varying = {a for a, o in zip(axes, target) if a in token_axes and not isinstance(o, Shard)}
             env[p] = lw.convert(p, target, varying, r.output, why_tokens)
         out_rows = _copy_body(lw, r, r.body, env, plan.pairs, El)
@@ -752,6 +753,8 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
 def _slot_param(lw, r, group, ep, slot, token_axes, call, why):
     """The parameter of this rank's ``slot``-th expert (one per expert in ``group``)."""
     p = group[slot]
+    for g in group:
+        _check_whole_experts(lw, r, g, lw.fixed(g.name) or lw.desired(g), ep)
     if ep is None:
         target = lw.desired(p)
         varying = {a for a in token_axes}
@@ -764,6 +767,20 @@ def _slot_param(lw, r, group, ep, slot, token_axes, call, why):
                  f"work on {a}: backward sums its gradient over the replicas of that expert")
         q = lw.mark_varying(q, a, p, r.output, why_q)
     return q
+
+
+def _check_whole_experts(lw, r, p, place: tuple, ep) -> None:
+    """Refuse a layout that splits a dim of expert parameter ``p`` other than its experts dim
+    (``place``: where it is used): the body is copied as the model wrote it and runs each expert whole, so
+    a weight split along its hidden or ffn dim would be computed with as if it were whole (a
+    part of each sum, never summed)."""
+    for a, o in zip(lw.axes, place):
+        if isinstance(o, Shard) and a != ep:
+            raise LayoutError(
+                f"mesh axis {a!r} splits dim {lw.dim_label(p, 0, o.dim)!r} of expert parameter {lw.display(p.name)} of "
+                f"MoE layer '{r.module}': autoshard runs each expert's own code whole on the rank that holds it "
+                f"(tensor parallelism inside the experts is not supported); split the experts (the 'experts' dim) "
+                f"on an axis, and leave the experts' other dims whole")
 
 
 def _copy_body(lw, r, body, env, rows: int, local_experts: int):

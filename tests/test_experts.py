@@ -439,3 +439,29 @@ def test_experts_and_batch_on_one_axis_outside_an_moe_layer_is_refused_with_read
         autoshard.autoshard(_DenseMixture(), (torch.randn(6, 8),), mesh=Mesh({"ep": 2}),
                             dims={"x": "batch hidden", "gate.weight": "experts hidden", "w": "experts out hidden"},
                             layout={"batch": "ep", "experts": "ep"})
+
+
+@pytest.mark.parametrize("experts", ["grouped", "looped"])
+@pytest.mark.parametrize("mesh,layout", [({"tp": 2}, {"ffn": "tp"}),
+                                         ({"ep": 2, "tp": 2}, {"batch": "ep", "experts": "ep", "ffn": "tp"})],
+                         ids=["ffn-tp", "ep-and-ffn-tp"])
+def test_a_layout_splitting_the_experts_inner_dims_is_refused(experts, mesh, layout):
+    """An MoE layer's experts run their own code copied as written, each expert whole on the rank
+    holding it: a layout splitting a dim of the expert weights other than the experts dim (their
+    ffn dim on tp) would compute each expert's part as if it were the whole (a partial sum never
+    summed: outputs off by 0.46 on this model). It is refused, naming the parameter, the dim and
+    the axis."""
+    model, args, dims = moe_tiny(experts=experts)
+    with pytest.raises(autoshard.LayoutError, match=r"mesh axis 'tp' splits dim 'ffn' of expert parameter "
+                                                    r"layers\.0\.mlp\.experts\..*\(tensor parallelism inside the "
+                                                    r"experts is not supported\)"):
+        autoshard.autoshard(model, args, mesh=Mesh(mesh), dims=dims, layout=layout)
+
+
+def test_hugging_face_experts_inner_dim_by_inferred_name_is_refused():
+    """The same with Hugging Face's stacked experts and the inferred name of their fused
+    gate/up projection's output dim (which the search may put on an axis too)."""
+    model, args = _hf("qwen2_moe")
+    with pytest.raises(autoshard.LayoutError, match=r"splits dim '.*mlp\.experts\.gate_up_proj:1' of expert parameter"):
+        autoshard.autoshard(model, args, mesh=Mesh({"tp": 2}), dims=HF_DIMS,
+                            layout={"*.mlp.experts.gate_up_proj:1": "tp"})
