@@ -432,6 +432,7 @@ class SearchSpace:
         self._ob_shared: dict = {}
         self._state_terms: dict = {}  # state_memory's per-input shares, by placement
         self._opt_terms: dict = {}  # optimizer_phase's, likewise
+        self._storage_memo: dict = {}  # choose_storage's per-parameter storage, by use placement
         self._held_ids: dict = {}  # candidate axes -> number of its held placements (by value)
         self._held_places: dict = {}  # held placements -> that number
         self._unit_latencies: dict = {}  # _held_key -> _unit_latency
@@ -828,7 +829,8 @@ class SearchSpace:
         storage = {}
         if cand.zero_stage >= 2:
             params = {n: self.vals[n] for n in self._st_grad}
-            storage = choose_storage(params, places, self.mesh, axes[0], cand.zero_stage, bool(cand.reshard))
+            storage = choose_storage(params, places, self.mesh, axes[0], cand.zero_stage, bool(cand.reshard),
+                                     memo=self._storage_memo)
         in_places = []
         for i in self._st_inputs:
             p = places.get(i.name)

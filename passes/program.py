@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -29,11 +30,12 @@ from autoshard.passes.zero_units import group_units
 
 
 def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, stage: int,
-                   reshard: bool, keep=()) -> dict:
+                   reshard: bool, keep=(), memo: Optional[dict] = None) -> dict:
     """{placeholder name: ParamStorage} for stage 2 and 3: each parameter is split on ``axis``
     along its first dim that no other axis splits and that ``axis`` divides evenly. A parameter
     with no such dim, or in ``keep`` (one expert of a ModuleList placed on its owner), stays
-    whole (listed in the plan)."""
+    whole (listed in the plan). ``memo``: each parameter's storage by its use placement, kept
+    across calls with the same parameters and mesh (the layout search's)."""
     out = {}
     if stage < 2:
         return out
@@ -41,14 +43,25 @@ def choose_storage(param_nodes: dict, use_placements: dict, mesh, axis: str, sta
         if name in keep:
             continue
         use = use_placements[name]
-        for d, size in enumerate(val.shape):
-            taken = any(isinstance(o, Shard) and o.dim == d for o in use)
-            if not taken and size % mesh.axes[axis] == 0:
-                place = tuple(Shard(d) if a == axis else o for o, a in zip(use, mesh.names))
-                out[name] = ParamStorage(place, axis, d, stage, "persistent" if stage == 2 else "gather",
-                                         reshard=(stage == 3 and reshard))
-                break
+        key = (name, use, axis, stage, reshard)
+        st = memo.get(key, False) if memo is not None else False
+        if st is False:
+            st = _storage(val.shape, use, mesh, axis, stage, reshard)
+            if memo is not None:
+                memo[key] = st
+        if st is not None:
+            out[name] = st
     return out
+
+
+def _storage(shape, use, mesh, axis, stage, reshard) -> Optional[ParamStorage]:
+    for d, size in enumerate(shape):
+        taken = any(isinstance(o, Shard) and o.dim == d for o in use)
+        if not taken and size % mesh.axes[axis] == 0:
+            place = tuple(Shard(d) if a == axis else o for o, a in zip(use, mesh.names))
+            return ParamStorage(place, axis, d, stage, "persistent" if stage == 2 else "gather",
+                                reshard=(stage == 3 and reshard))
+    return None
 
 
 def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
