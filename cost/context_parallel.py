@@ -25,10 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from autoshard.passes import context_parallel as cp
 from autoshard.passes.context_parallel import SDPA
 from autoshard.passes.rules import arg
-from autoshard.passes.spmd import input_placements
 from autoshard.runtime.primitives.ring_attention import (allgather_attention, chunk_ranges, online_softmax_merge, ring_attention)
 
 from autoshard.cost.comm import collective_time
@@ -210,18 +208,6 @@ class ContextSearch:
     def options(self, mesh) -> dict:
         """``context=`` for ``build_program`` on ``mesh``: the variant by cost."""
         return {"variant": choose_variant(self.cm, mesh)}
-
-    def rewrite_kwargs(self, graph, info, resolved, mesh) -> dict:
-        """``regions=`` / ``fixed=`` for ``spmd.rewrite`` of a program whose layout may split
-        attention's queries (the search's one-axis programs): the SDPA nodes become ring or
-        all-gather attention as in ``build_program``. Empty when nothing is split."""
-        if not self.names:
-            return {}
-        ctx = cp.plan_context(graph, info, resolved, mesh, self.options(mesh))
-        if not ctx:
-            return {}
-        fixed = cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh), info, resolved, mesh)
-        return {"regions": cp.lowerings(ctx), "fixed": fixed}
 
     @staticmethod
     def overlapped(collective) -> bool:

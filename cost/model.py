@@ -449,6 +449,17 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
                 cur.saved_bytes += kept.add_rule(node, ATTENTION)
             cur.max_act_bytes = max(cur.max_act_bytes, out_bytes)
             continue
+        if (node.meta.get("autoshard") or {}).get("moe"):
+            # an MoE layer's capacity gathers, count exchange, dispatch or combine
+            # (passes/experts.py): its all-to-alls, forward and backward, block as a collective's do
+            recs = by_tag.get(node.meta["autoshard"]["tag"], [])
+            for fwd in [r for r in recs if r.phase == "forward"]:
+                bwd = next((r for r in recs if r.phase == "backward" and r.axes == fwd.axes), None)
+                flush()
+                cur.items.append(Comm(fwd.axes, fwd.kind, fwd.bytes, collective_seconds(cm, mesh, fwd.kind, fwd.axes, fwd.bytes),
+                                      bwd.kind if bwd else None, bwd.bytes if bwd else 0,
+                                      collective_seconds(cm, mesh, bwd.kind, bwd.axes, bwd.bytes) if bwd else 0.0,
+                                      bwd_overlap=False, buffer_bytes=2 * max(fwd.bytes, bwd.bytes if bwd else 0)))
         if (node.meta.get("autoshard") or {}).get("vocab_parallel") is not None:
             # vocab-parallel cross-entropy (passes/vocab_parallel.py): its forward gather of row
             # maxima and its sum of statistics block; the compute is costed below as one op

@@ -58,7 +58,7 @@ from torch import fx
 from autoshard.mesh import Mesh, factorizations
 from autoshard.ownership import R, Replicate, data_axes
 from autoshard.passes.dims import infer_dims, module_of
-from autoshard.passes.program import build_program, choose_storage
+from autoshard.passes.program import build_program, choose_storage, lowered
 from autoshard.passes.soft import SOFT_MARK, SoftLayoutError, is_soft, split_soft
 from autoshard.passes.spmd import (Layout, LayoutError, UnsupportedOpWarning, _resolve_entry, input_placements,
                                   lazy_programs, requires_grad_nodes, resolve_layout, rewrite, unchanged_graphs)
@@ -541,6 +541,23 @@ class SearchSpace:
             self._nu[axis] = units
         return self._nu[axis]
 
+    def _expert_inner_names(self, axis) -> frozenset:
+        """Names whose units on ``axis`` split a dim of an MoE layer's expert parameters other
+        than the experts dim: every layout holding one is refused (passes/experts.py runs each
+        expert whole), so no option holds one."""
+        r = self.reduced
+        graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+        inner = set()
+        for region in find_expert_regions(graph, info, warn=False):
+            experts = tuple(region.experts_atoms)
+            for p in list(region.params) + [q for ps in region.expert_params for q in ps]:
+                for atoms in (info.of(p) if p in info.dims else ()):
+                    lv = tuple(info.leaves(atoms)) if atoms else ()
+                    if lv and (region.form == "looped" or lv[:len(experts)] != experts):
+                        inner.update(n for n, us in self._name_units(axis).items()
+                                     if us and any(lv[:len(u)] == u for u in us))
+        return frozenset(inner)
+
     def _conflicts(self, axis) -> tuple:
         """Names that would shard two dims of one tensor on ``axis``: (pairs, names alone)."""
         units = self._name_units(axis)
@@ -568,7 +585,8 @@ class SearchSpace:
         pairs, selfc = self._conflicts(axis)
         units = self._name_units(axis)
         # a name meeting itself in one tensor ([b, 1, s, s] masks) only as context parallelism
-        ok = [n for n in self.open if units.get(n) and (n not in selfc or n in self.context.names)]
+        inner = self._expert_inner_names(axis)
+        ok = [n for n in self.open if units.get(n) and (n not in selfc or n in self.context.names) and n not in inner]
         soft_fixed = frozenset(n + SOFT_MARK for n, axes in self.fixed_soft.items() if axis in axes)
         # one soft name per axis: the longest residual-stream dim it divides (seq in training
         # shapes; token rows by batch where batch is the longer), which keeps the space small
@@ -797,6 +815,17 @@ class SearchSpace:
             resolved = self._cand_units(cand)
             per_axis = [self._axis_placements(resolved.units[a]) for a in self.mesh.names]
             places = {n: tuple(p[n] for p in per_axis) for n in per_axis[0]} if per_axis else {}
+            if self.context and any(names & self.context.names for names in self._split_names(cand).values()):
+                # context-parallel attention places some inputs itself (the mask, the positions):
+                # the data axes are those of build_program's placements
+                r = self.reduced
+                graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+                try:
+                    low = lowered(graph, info, resolve_layout(self._named_red, cand.layout(self.names, self.extra),
+                                                              self.mesh), self.mesh, self.context.options(self.mesh))
+                    places = {**places, **{n: p for n, p in low.fixed.items() if n in places}}
+                except self._LayoutError:
+                    pass  # (the candidate's build says why; the layout's own placements stand meanwhile)
             axes = data_axes([(places[i.name], self.mesh.names) for i in self._st_inputs
                                if i.kind == "user" and i.name in places])
             self._places[cand.axes] = (places, axes)
@@ -936,8 +965,12 @@ class SearchSpace:
         subsets = [frozenset(c) for k in range(len(axes) + 1) for c in itertools.combinations(axes, k)]
         groups: dict = {}
         bf = self.cm.backward_factor
+        # an MoE layer's nodes are replaced by its per-rank program (passes/experts.py), whose
+        # compute and activations are not the captured ops': they bound nothing
+        replaced = {n for r in find_expert_regions(graph, info, warn=False) for n in r.nodes}
         for node in graph.nodes:
-            if node.op != "call_function" or node not in info.dims or node.target is operator.getitem:
+            if (node.op != "call_function" or node not in info.dims or node.target is operator.getitem
+                    or node in replaced):
                 continue
             touch = set()
             atoms_lists = []
@@ -1149,8 +1182,14 @@ class SearchSpace:
         try:
             resolved = self._resolved1(axis, names)
             units = key[3]  # (the records' key holds the sorted units: _records_key)
-            kwargs = self.context.rewrite_kwargs(graph, info, resolved, mesh1)
-            local_units = None if kwargs else prefix_units(resolved)  # (where it may be saved and resumed)
+            # the lowerings of build_program (vocab-parallel loss, MoE layers, context-parallel
+            # attention): the one-axis program's collectives are then the plan's
+            low = lowered(graph, info, resolved, mesh1, self.context.options(mesh1) if self.context else None)
+            resolved = low.layout
+            kwargs = {"regions": low.regions, "fixed": low.fixed, "fixed_local": low.fixed_local}
+            # saved, shared and resumed where each node decides from its own values' units (no
+            # input another pass places otherwise, no context-parallel plan of the whole layout)
+            local_units = prefix_units(resolved) if low.fixed_local else None
             budgeted = isinstance(emitted, _Budgeted)
             if budgeted and local_units is not None:
                 shared_units = local_units

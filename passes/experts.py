@@ -69,6 +69,7 @@ from autoshard.ownership import Owned, R, Shard
 from autoshard.runtime.primitives import experts as X
 
 from .dims import DimInfo, module_of, source_line
+from .lowering import decides_locally
 from .rules import grouped_matmul_rule, rule_for
 from .spmd import EXPERTS, LayoutError
 
@@ -624,6 +625,7 @@ def lowerings(regions, plans: list) -> dict:
     output; ``plans`` receives each region's :class:`RegionPlan`."""
     out = {}
     for r in regions:
+        @decides_locally  # (the experts' axis from their units, which reach the router before the region)
         def visit(lw, node, r=r):
             if node is r.output:
                 plans.append(_lower(lw, r))
@@ -664,9 +666,11 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
     stack = r.output.meta.get("nn_module_stack")
     trace = r.output.meta.get("stack_trace")
 
-    def call(fn, *args, val=None, **kwargs):
+    def call(fn, *args, val=None, tag=None, **kwargs):
         n = lw.call(fn, args, kwargs)
         n.meta.update(val=val, nn_module_stack=stack, stack_trace=trace)
+        if tag is not None:  # its collectives are recorded under this tag (_records): the cost model's
+            n.meta["autoshard"] = {"where": r.module, "tag": tag, "moe": True}
         return n
 
     def new_tag(name):
@@ -682,17 +686,17 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
     if r.form in TOPK_FORMS:
         idx = lw.convert(r.top_k_index, tok, (), r.output, why_tokens)
         weights = lw.convert(r.top_k_weights, tok, (), r.output, why_tokens)
-        pairs = call(X.assign_topk, idx, r.num_experts, cap, token_axes, t_cap)
+        pairs = call(X.assign_topk, idx, r.num_experts, cap, token_axes, t_cap, tag=t_cap)
     else:
         weights = [lw.convert(w, tuple(Shard(0) if a in token_axes else R for a in axes), (), r.output, why_tokens)
                    for w in r.weights]
-        pairs = call(X.assign_dense, weights, cap, token_axes, t_cap)
+        pairs = call(X.assign_dense, weights, cap, token_axes, t_cap, tag=t_cap)
     hv = _tensor(r.hidden)
     rows = call(X.pair_rows, x, pairs, val=meta((plan.pairs, h), hv))
     t_route = new_tag("route")
-    route = call(X.exchange_counts, pairs, ep, t_route)
+    route = call(X.exchange_counts, pairs, ep, t_route, tag=t_route)
     t_dispatch = new_tag("dispatch")
-    mine = call(X.dispatch_rows, rows, route, t_dispatch, val=meta((plan.pairs, h), hv))
+    mine = call(X.dispatch_rows, rows, route, t_dispatch, val=meta((plan.pairs, h), hv), tag=t_dispatch)
     if r.form in TOPK_FORMS:
         env = {r.rows: mine}
         if r.offsets is not None:
@@ -718,7 +722,7 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
         out_rows = call(aten.cat.default, per_slot, 0, val=meta((plan.pairs,) + tuple(_tensor(r.body_out).shape[1:]),
                                                                _tensor(r.body_out)))
     t_combine = new_tag("combine")
-    back = call(X.combine_rows, out_rows, route, t_combine, val=meta((plan.pairs, h), hv))
+    back = call(X.combine_rows, out_rows, route, t_combine, val=meta((plan.pairs, h), hv), tag=t_combine)
     out_val = meta((Tl,) + tuple(_tensor(r.output).shape[1:]), _tensor(r.output))
     if r.form in TOPK_FORMS:
         out = call(X.combine_topk, back, pairs, weights, val=out_val)

@@ -36,6 +36,22 @@ from .collective import Collective
 from .dims import module_of, source_line
 
 
+def decides_locally(visit: Callable) -> Callable:
+    """Mark lowering ``visit`` as deciding, like an op's rule, from the placements of its node's
+    operands and the layout's units of the dims of the values it reads and writes, and as writing
+    its nodes whole, with no collective, where every one of those is whole and unsplit. A rewrite
+    building no graph may then record such nodes whole before the layout's first touch
+    (``passes/untouched.py``) and share or resume its state across layouts
+    (``passes/rewrite_state.py``), as for ordinary ops. Returns ``visit``."""
+    visit.decides_locally = True
+    return visit
+
+
+def all_decide_locally(regions: dict) -> bool:
+    """Whether every lowering of ``regions`` ({node: visit}) is marked :func:`decides_locally`."""
+    return all(getattr(v, "decides_locally", False) for v in regions.values())
+
+
 class Lowering:
     """The rewrite as a lowering sees it (one per rewrite; see the module docstring).
 

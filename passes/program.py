@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,7 +26,7 @@ from . import vocab_parallel as vp
 from .manager import PassContext, run_program_passes
 from .experts import find_expert_regions, lowerings, owned_placements, regional_layout, stacked_placements
 from .collective import Collective
-from .spmd import LayoutError, input_placements, lazy_programs, rewrite
+from .spmd import LayoutError, _memo_value, input_placements, lazy_programs, rewrite
 from autoshard.passes.zero_units import group_units
 
 
@@ -64,6 +65,60 @@ def _storage(shape, use, mesh, axis, stage, reshard) -> Optional[ParamStorage]:
     return None
 
 
+@dataclass
+class Lowered:
+    """What a rewrite of a layout takes besides it (:func:`lowered`): the layout with the MoE
+    regions' experts units regional, the lowerings of the nodes other passes write (vocab-parallel
+    cross-entropy, MoE layers, context-parallel attention), the inputs those passes place, and
+    what the lowerings fill in as the rewrite runs."""
+
+    layout: object
+    regions: dict  # node -> visitor (spmd.rewrite's ``regions``)
+    fixed: dict  # placeholder name -> placement another pass decides (spmd.rewrite's ``fixed``)
+    owned: dict  # looped experts' parameters: placed on the index owning them (ZeRO keeps them whole)
+    moe: list  # one RegionPlan per MoE layer, filled by the rewrite
+    ctx: object  # the context-parallel plan
+
+    @property
+    def fixed_local(self) -> bool:
+        """Whether the fixed placements are the layout's where the inputs are read (stacked
+        experts' parameters, split on their own experts dim): ``spmd.rewrite(fixed_local=)``. Not
+        where a context-parallel plan fixed some, or looped experts are owned by index (a dim
+        their parameters do not have)."""
+        return not self.ctx and not self.owned
+
+
+def lowered(graph, info, resolved, mesh, context=None) -> Lowered:
+    """The lowerings and input placements of other passes for a rewrite of ``resolved`` on
+    ``mesh``, as :func:`build_program` makes them (the layout search's one-axis programs too, so
+    that their collectives are the plan's). ``context``: the context-parallel options (None:
+    attention over a split sequence is gathered).
+
+    Example::
+
+        low = lowered(graph, info, resolve_layout(info, layout, mesh), mesh)
+        program = rewrite(graph, info, low.layout, mesh, grad_inputs, regions=low.regions, fixed=low.fixed)
+    """
+    regions = find_expert_regions(graph, info)
+    # Context-parallel attention when the caller asks for it (autoshard() and the layout search
+    # always do, cost.context.ContextSearch; context=None keeps SDPA over a split sequence gathered).
+    ctx = cp.plan_context(graph, info, resolved, mesh, context) if context is not None else cp.ContextPlan()
+    laid_out = input_placements(graph, info, resolved, mesh) if regions or ctx else {}
+    owned = owned_placements(regions, laid_out, resolved, mesh)
+    regional = regional_layout(regions, resolved, mesh)
+    # experts dims split only in the MoE regions' parameters (the router's stay whole): their
+    # placements as the layout gives them, fixed before the experts units become regional
+    stacked = stacked_placements(regions, laid_out) if regional is not resolved else {}
+    resolved = regional
+    if ctx:
+        owned = {**owned, **cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh,
+                                                                         {**owned, **stacked}), info, resolved, mesh)}
+    moe: list = []
+    vocab = _memo_value(graph, info, "vocab_lowerings", lambda g, _: vp.lowerings(g))
+    return Lowered(resolved, {**vocab, **lowerings(regions, moe), **cp.lowerings(ctx)}, {**owned, **stacked}, owned,
+                   moe, ctx)
+
+
 def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stage: int, reshard: bool,
                   bucket_mb: float, display: dict, units="block", context=None, program_passes: bool = False,
                   disable_passes=()):
@@ -80,19 +135,8 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     (``program.passes`` records what each pass did). Returns
     ``(program, data_axes)``; used by ``autoshard.autoshard`` and by the layout search alike."""
     grad_inputs = {i.name for i in inputs if i.kind == "parameter" and i.trainable}
-    regions = find_expert_regions(graph, info)
-    # Context-parallel attention when the caller asks for it (autoshard() and the layout search
-    # always do, cost.context.ContextSearch; context=None keeps SDPA over a split sequence gathered).
-    ctx = cp.plan_context(graph, info, resolved, mesh, context) if context is not None else cp.ContextPlan()
-    laid_out = input_placements(graph, info, resolved, mesh)
-    owned = owned_placements(regions, laid_out, resolved, mesh)
-    # experts dims split only in the MoE regions' parameters (the router's stay whole)
-    stacked = stacked_placements(regions, laid_out)
-    resolved = regional_layout(regions, resolved, mesh)
-    if ctx:
-        owned = {**owned, **cp.fixed_inputs(ctx, graph, input_placements(graph, info, resolved, mesh,
-                                                                         {**owned, **stacked}), info, resolved, mesh)}
-    fixed = {**owned, **stacked}
+    low = lowered(graph, info, resolved, mesh, context)
+    resolved, fixed, owned = low.layout, low.fixed, low.owned
     places = input_placements(graph, info, resolved, mesh, fixed)
     axes = data_axes([(places[i.name], mesh.names) for i in inputs if i.kind == "user" and i.name in places])
     if zero_stage and not axes:
@@ -101,17 +145,16 @@ def build_program(graph, inputs, info, resolved, mesh, *, train: bool, zero_stag
     params = {n.name: n.meta["val"] for n in graph.nodes if n.op == "placeholder" and n.name in grad_inputs}
     storage = choose_storage(params, places, mesh, axes[0], zero_stage, reshard, owned) if zero_stage else {}
     bucket_axis = axes[0] if (train and zero_stage < 2 and axes and bucket_mb) else None
-    moe: list = []  # one RegionPlan per MoE layer, filled by the rewrite
     # the program passes edit the rewritten graph: rewrite lazily then, so the Python code is
     # generated once, for the final graph (on first use, or when a Plan is made), not twice.
     with lazy_programs() if program_passes else contextlib.nullcontext():
         program = rewrite(graph, info, resolved, mesh, grad_inputs, display, storage, bucket_axis=bucket_axis,
                           bucket_candidates=[n for n in params if n not in storage] if bucket_axis else (),
-                          regions={**vp.lowerings(graph), **lowerings(regions, moe), **cp.lowerings(ctx)},
-                          fixed=fixed, region_axis=axes[0] if (train and storage and not bucket_axis) else None,
+                          regions=low.regions, fixed=fixed,
+                          region_axis=axes[0] if (train and storage and not bucket_axis) else None,
                           user_inputs={i.name for i in inputs if i.kind == "user"}, data_axes=axes)
-    program.experts = moe
-    program.context = ctx
+    program.experts = low.moe
+    program.context = low.ctx
     if zero_stage == 3:
         program.units = group_units(program, units, mesh, display)
     program.collectives += state_collectives(program, zero_stage, axes, mesh, params, display)

@@ -57,7 +57,9 @@ class Indexing:
 
 
 def shape_of(x) -> tuple:
-    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    # (a node of the captured graph or of a per-rank program: a rewrite building no graph makes
+    # stand-ins with the same ``meta``)
+    v = x.meta.get("val") if isinstance(getattr(x, "meta", None), dict) else None
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else ()
 
 

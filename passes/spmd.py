@@ -48,7 +48,7 @@ from .dims import DimInfo, module_of, source_line
 from .export_errors import CaptureError
 from .grad_sync import GradSync
 from .layout_error import LayoutError
-from .lowering import Lowering
+from .lowering import Lowering, all_decide_locally
 from .reasons import explain
 from .regions import no_grad_node
 from .rewrite_state import Checkpoints, RewriteState, restore, save
@@ -206,6 +206,14 @@ class _CollectivesOnly:
     def output(self, result):
         return _Value("output", "output", "output", (result,), {})
 
+    def node_copy(self, node: fx.Node, arg_transform):
+        """A copy of captured ``node`` reading ``arg_transform`` of its node arguments (a lowering
+        copying code the model wrote: an MoE layer's experts)."""
+        new = _Value(node.op, node.name, node.target, fx.node.map_arg(node.args, arg_transform),
+                     fx.node.map_arg(node.kwargs, arg_transform))
+        new.meta = dict(node.meta)
+        return new
+
 
 @dataclass
 class _Inputs:
@@ -228,6 +236,7 @@ class _Rewriter:
         # and inputs placed by such a pass ({name: placement}).
         self.regions = regions or {}
         self.fixed = fixed or {}
+        self.fixed_local = False  # the fixed placements are the layout's where the inputs are read (rewrite)
         self.display = display  # placeholder name -> parameter FQN / argument name, for messages
         self.zero = ZeroStorage(storage)  # sharded parameter state (ZeRO-2/3): passes/zero_storage.py
         # data-parallel gradient sync (buckets, region sums): passes/grad_sync.py
@@ -405,8 +414,8 @@ class _Rewriter:
             node = nodes[self.position]
             if checkpoints is not None and self.position in checkpoints.positions and self.position > start:
                 checkpoints.take(save(self, inputs))
-            if node.op == "call_function" and self.position < whole:
-                self.visit_whole(node)
+            if node.op == "call_function" and self.position < whole and node not in self.regions:
+                self.visit_whole(node)  # (a lowered node is written by its lowering, as it would be)
             elif node.op == "placeholder":
                 self.visit_input(node, len(inputs.places), whole_in, inputs)
             elif node.op == "call_function":
@@ -983,7 +992,7 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
             collectives_only: bool = False, region_axis=None,
             user_inputs=(), data_axes=(), collectives: Optional[list] = None,
             stopped: Optional[dict] = None, resume: Optional[RewriteState] = None,
-            checkpoints: Optional[Checkpoints] = None) -> Program:
+            checkpoints: Optional[Checkpoints] = None, fixed_local: bool = False) -> Program:
     """Build the per-rank program for ``layout`` on ``mesh``. ``grad_inputs``: placeholder
     names that need gradients; ``display``: placeholder name -> name to use in messages;
     ``storage``: placeholder name -> :class:`ParamStorage` for state-sharded parameters;
@@ -1003,7 +1012,10 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
     and what to give each to; ``resume``: a state saved so by a rewrite of another layout whose
     units decide alike before its node, to start from there (``passes/rewrite_state.py``; both
     only with ``collectives_only`` and a layout each of whose nodes decides from its own values'
-    units)."""
+    units). ``fixed_local``: the ``fixed`` placements are those the layout's units give the inputs
+    where they are read (an MoE layer's stacked expert parameters, placed before its experts
+    units became regional: ``program.lowered``), so a rewrite building no graph may still skip,
+    save and resume as above."""
     if collectives_only and (bucket_axis is not None or region_axis is not None):
         raise ValueError("gradient buckets edit the program's graph: collectives_only=True builds none")
     rg = _memo_nodes(graph, "requires_grad", grad_inputs, requires_grad_nodes)
@@ -1011,8 +1023,9 @@ def rewrite(graph: fx.Graph, info: DimInfo, layout: Layout, mesh, grad_inputs: s
                          bucket_candidates, regions, fixed, collectives_only, region_axis, user_inputs, data_axes)
     if collectives is not None:
         rewriter.collectives = collectives
+    rewriter.fixed_local = fixed_local
     if (resume is not None or checkpoints is not None) and (
-            not collectives_only or rewriter.regions or units_if_local(rewriter) is None):
+            not collectives_only or not all_decide_locally(rewriter.regions) or units_if_local(rewriter) is None):
         raise ValueError("a rewrite's state is saved or resumed only building no graph, for a layout each of whose "
                          "nodes decides from its own values' units (passes/rewrite_state.py)")
     try:

@@ -45,6 +45,16 @@ def first_reads(graph: fx.Graph, info) -> dict:
         for v in (node, *node.all_input_nodes):
             for u in _leaf_prefixes(info, v):
                 first.setdefault(u, i)
+    # An MoE layer's experts units decide from the first node reading its router's experts dim:
+    # whether that dim is split there depends on whether the experts are on the axis
+    # (passes/experts.regional_layout), which their own units say (read later, in the layer).
+    # (The regions are those found on this DimInfo before: passes/experts.find_expert_regions.)
+    for r in getattr(info, "recognised", {}).get("experts") or ():
+        start = min((first.get(lv[:1], math.inf) for lv in r.router_dims), default=math.inf)
+        experts = tuple(r.experts_atoms)
+        for k in range(1, len(experts) + 1):
+            if min(first.get(experts[:k], math.inf), start) < math.inf:
+                first[experts[:k]] = min(first.get(experts[:k], math.inf), start)
     return first
 
 
@@ -94,9 +104,12 @@ def input_reads(graph: fx.Graph, info=None) -> dict:
 
 def units_if_local(rw) -> Optional[tuple]:
     """``rw``'s layout's :func:`prefix_units`, where each node's decisions depend only on the
-    units of its own values; None for layouts read as a whole, inputs placed by another pass,
-    and rewrites that note every read (sharded state, gradient buckets and regions)."""
-    if rw.fixed or rw.zero.storage or rw.grad_sync.bucket_uses or rw.grad_sync.region_axis is not None:
+    units of its own values; None for layouts read as a whole, inputs placed by another pass
+    other than as the layout's units place them where they are read (``rw.fixed_local``: an MoE
+    layer's stacked expert parameters), and rewrites that note every read (sharded state,
+    gradient buckets and regions)."""
+    if ((rw.fixed and not rw.fixed_local) or rw.zero.storage or rw.grad_sync.bucket_uses
+            or rw.grad_sync.region_axis is not None):
         return None
     return prefix_units(rw.layout)
 
@@ -123,9 +136,10 @@ def reach(first: dict, unit: tuple, soft: bool) -> float:
 def prefix_units(layout) -> Optional[tuple]:
     """``(hard units, soft units)`` of ``layout``'s axes in order, where the nodes before their
     reach (:func:`reach`) compute whole; None where the layout is read as a whole
-    (context-parallel orders, regional expert units) or a unit is matched by scanning (not an
-    atom prefix)."""
-    if layout.orders or any(layout.regional.values()):
+    (context-parallel orders) or a unit is matched by scanning (not an atom prefix). Regional
+    units (an MoE layer's experts dims: passes/experts.py) are among them; an experts unit
+    reaches from its router's experts dim (:func:`first_reads`), whose split it decides."""
+    if layout.orders:
         return None
     hard = tuple(u for units in layout.units.values() for u in units)
     soft = tuple(u for units in layout.soft.values() for u in units)
@@ -137,7 +151,8 @@ def prefix_units(layout) -> Optional[tuple]:
 def untouched_prefix(rw, first: dict) -> int:
     """How many of ``rw``'s graph nodes come before the first one its layout may touch: the
     least reach of a unit of the layout (:func:`reach`), and no later than the first node that
-    another pass lowers or that has no sharding rule (its fallback is recorded). 0 for layouts
+    another pass lowers (unless its lowering decides locally: ``lowering.decides_locally``) or
+    that has no sharding rule (its fallback is recorded). 0 for layouts
     read as a whole (:func:`prefix_units`; inputs placed by another pass) and rewrites that
     note every read (sharded state, gradient buckets and regions)."""
     units = units_if_local(rw)
@@ -152,7 +167,8 @@ def untouched_prefix(rw, first: dict) -> int:
     for i, node in enumerate(rw.g0.nodes):
         if i >= stop:
             break
-        if node.op == "call_function" and (node in rw.regions or (
-                node.target is not GETITEM and rw.info.indexing.get(node) is None)):
+        if node.op == "call_function" and (
+                (node in rw.regions and not getattr(rw.regions[node], "decides_locally", False))
+                or (node not in rw.regions and node.target is not GETITEM and rw.info.indexing.get(node) is None)):
             return i
     return stop

@@ -29,6 +29,7 @@ from autoshard.ownership import Partial, R, Shard
 from autoshard.runtime.primitives.vocab_parallel import vocab_parallel_cross_entropy
 
 from .dims import module_of, source_line
+from .lowering import decides_locally
 from .rules import arg, shape_of
 
 aten = torch.ops.aten
@@ -65,6 +66,7 @@ def _vocab_axis(lw, node):
     return split[0]
 
 
+@decides_locally
 def _visit(lw, node: fx.Node):
     """Lower one eligible cross-entropy node (``lw``: the rewrite's :class:`~.lowering.Lowering`)."""
     ix = lw.info.indexing[node]
