@@ -185,9 +185,8 @@ class LazyCandidates:
         self._alone: dict = {}  # (axis, names) -> its floor where its names are on no other axis
         for axis, opts in zip(space.mesh.names, space.per_axis_options()):
             got = {}
-            # fewest names first: a larger option's budgeted records are often a smaller one's
-            # (cost/prefix_records.py)
-            for i in by_count(opts):
+            # (in the order that shares and resumes the most one-axis rewrites: reach_order)
+            for i in (reach_order(space, axis, opts) if space.mesh.axes[axis] > 1 else range(len(opts))):
                 frag = fragile_names(space, axis, opts[i]) if space.mesh.axes[axis] > 1 else frozenset()
                 if frag:
                     self._fragile[opts[i].pair] = (frag, opts[i])

@@ -268,8 +268,9 @@ class _Rewriter:
         self.lowering = Lowering(self)  # what the visitors of ``regions`` see of this rewrite
         self.unit_index: dict = {}  # (axis, soft) -> _unit_index's answer
         self.unit_memo: dict = {}  # (atoms, axis, soft) -> unit (the layout is fixed for one rewrite)
-        # every unit of the layout, where a value is whole on every axis exactly when none of its
-        # dims' leaf prefixes is one (no soft entry, no regional unit, every unit an atom prefix)
+        # every unit of the layout, where a value is whole on every axis when none of its dims'
+        # leaf prefixes is one (no soft entry, every unit an atom prefix; a regional unit splits
+        # fewer dims: a value it touches is decided one dim at a time)
         units = prefix_units(layout) if not any(layout.soft.values()) else None
         self.all_units = frozenset(units[0]) if units is not None else None
         self.result_prefixes = _memo_value(graph, info, "result_prefixes", result_prefixes) if units else None
