@@ -69,6 +69,7 @@ from autoshard.cost.recompute import annotate_boundaries, checkpoint_choice, che
 from .compute import roofline_time
 from .candidate import Candidate
 from .prefix_records import PrefixRecords, ResumePath, reaches
+from autoshard.runtime.primitives.vocab_parallel import vocab_parallel_cross_entropy
 from .zero_units import least_unit_latency
 from .lazy_search import (LazyCandidates, floors, latency_bound, most_named, product_size, seed_combinations,
                           use_lazy, warm_records)
@@ -76,6 +77,8 @@ from autoshard.cost.context_parallel import ContextSearch
 from .model import (VIEW_OPS, Comm, CostModel, PlanCost, _dtype_of, _local_numel, _tensors, block_of_module,
                     collective_seconds, op_work, optimizer_phase, program_events, resolve_cost_model, simulate,
                     state_memory)
+
+VOCAB_PARALLEL = vocab_parallel_cross_entropy.__name__  # the op of a vocab-parallel loss's collectives
 
 __all__ = ["SearchSpace", "SearchResult", "Candidate", "search_layout", "factorizations", "reduce_graph"]
 
@@ -965,14 +968,23 @@ class SearchSpace:
         subsets = [frozenset(c) for k in range(len(axes) + 1) for c in itertools.combinations(axes, k)]
         groups: dict = {}
         bf = self.cm.backward_factor
-        # an MoE layer's nodes are replaced by its per-rank program (passes/experts.py), whose
-        # compute and activations are not the captured ops': they bound nothing
-        replaced = {n for r in find_expert_regions(graph, info, warn=False) for n in r.nodes}
+        # An MoE layer's nodes are replaced by its per-rank program (passes/experts.py): its
+        # routing code bounds nothing. Stacked experts' code (the body) runs once per rank on this
+        # rank's (token, expert) rows and experts, at least its captured work divided by the axes
+        # splitting the layer's tokens or experts (looped experts' dense code runs every expert on
+        # every token, the per-rank program only the tokens routed to each: it bounds nothing).
+        replaced, body_touch = set(), {}
+        for region in find_expert_regions(graph, info, warn=False):
+            replaced |= set(region.nodes)
+            if region.form != "looped":
+                extra = set(self._touched(region.hidden, info)) | set(
+                    first_atoms.get(region.experts_atoms[0], ()) if region.experts_atoms else ())
+                body_touch.update((n, extra) for n in region.body)
         for node in graph.nodes:
             if (node.op != "call_function" or node not in info.dims or node.target is operator.getitem
-                    or node in replaced):
+                    or (node in replaced and node not in body_touch)):
                 continue
-            touch = set()
+            touch = set(body_touch.get(node, ()))
             atoms_lists = []
             for a in node.all_input_nodes:
                 if a in info.dims and info.dims[a]:
@@ -1219,8 +1231,8 @@ class SearchSpace:
         recs = []
         grad_recs = []  # parameter gradient all-reduces: for the comm-stream bound only
         for c in list(emitted):
-            if c.phase != "forward" and not self.train or c.op == "grad_bucket" or self.context.overlapped(c):
-                continue  # gradient buckets are costed from the program's ready points
+            if c.phase != "forward" and not self.train or self._left_out(c):
+                continue
             is_param = c.node in grad
             if c.phase != "forward" and is_param:
                 # a gradient sync: hidden under backward, or merged into buckets (not blocking);
@@ -1297,17 +1309,23 @@ class SearchSpace:
             self._cb_cache.clear()
         return changed
 
+    def _left_out(self, c) -> bool:
+        """Whether one-axis program collective ``c`` bounds nothing: a gradient bucket (costed
+        from the program's ready points), context-parallel attention's own traffic (costed with
+        the node), a vocab-parallel loss's statistics (the loss lowers so only where one axis
+        splits the logits; split on several, the rule's one gather spans them all)."""
+        return c.op in ("grad_bucket", VOCAB_PARALLEL) or self.context.overlapped(c)
+
     def _budget_seconds(self, axis, grad: set):
         """What a collective of a one-axis rewrite on ``axis`` adds, at least, to the
         communication bound of any candidate using it (:meth:`_comm_bound`): nothing for what
-        that bound leaves out (gradient syncs and buckets, context-parallel attention traffic,
-        a parameter's own conversions, which a ZeRO 2/3 data axis may skip), else its time with
+        that bound leaves out (gradient syncs, :meth:`_left_out`, a parameter's own conversions,
+        which a ZeRO 2/3 data axis may skip), else its time with
         its bytes divided by every other axis."""
         others = math.prod(n for b, n in self.mesh.axes.items() if b != axis)
 
         def seconds(c) -> float:
-            if (c.phase != "forward" and not self.train or c.op == "grad_bucket" or self.context.overlapped(c)
-                    or c.node in grad):
+            if c.phase != "forward" and not self.train or self._left_out(c) or c.node in grad:
                 return 0.0
             return collective_seconds(self.cm, self.mesh, c.kind, (axis,), c.bytes / others)
         return seconds
