@@ -456,10 +456,11 @@ def program_events(program, mesh, cm: CostModel, param_names: set, vals: Optiona
             for fwd in [r for r in recs if r.phase == "forward"]:
                 bwd = next((r for r in recs if r.phase == "backward" and r.axes == fwd.axes), None)
                 flush()
-                cur.items.append(Comm(fwd.axes, fwd.kind, fwd.bytes, collective_seconds(cm, mesh, fwd.kind, fwd.axes, fwd.bytes),
-                                      bwd.kind if bwd else None, bwd.bytes if bwd else 0,
-                                      collective_seconds(cm, mesh, bwd.kind, bwd.axes, bwd.bytes) if bwd else 0.0,
-                                      bwd_overlap=False, buffer_bytes=2 * max(fwd.bytes, bwd.bytes if bwd else 0)))
+                cur.items.append(Comm(
+                    fwd.axes, fwd.kind, fwd.bytes, collective_seconds(cm, mesh, fwd.kind, fwd.axes, fwd.bytes),
+                    bwd.kind if bwd else None, bwd.bytes if bwd else 0,
+                    collective_seconds(cm, mesh, bwd.kind, bwd.axes, bwd.bytes) if bwd else 0.0,
+                    bwd_overlap=False, buffer_bytes=2 * max(fwd.bytes, bwd.bytes if bwd else 0)))
         if (node.meta.get("autoshard") or {}).get("vocab_parallel") is not None:
             # vocab-parallel cross-entropy (passes/vocab_parallel.py): its forward gather of row
             # maxima and its sum of statistics block; the compute is costed below as one op
