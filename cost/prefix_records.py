@@ -64,14 +64,11 @@ class PrefixRecords:
         self.first = first_reads(graph, info)
         self._by_stop: dict = {}  # stop node index -> {units deciding up to it: (budget, records)}
 
-    def _deciding(self, units, stop: int) -> tuple:
-        return deciding(self.first, units, stop)
-
     def find(self, units, budget: float) -> Optional[tuple]:
         """(records, budget they reached) of an option whose rewrite stopped at a node up to which
         ``units`` decide the same, at a budget at least ``budget``; None if none is known."""
         for stop, table in self._by_stop.items():
-            got = table.get(self._deciding(units, stop))
+            got = table.get(deciding(self.first, units, stop))
             if got is not None and got[0] >= budget:
                 return got[1], got[0]
         return None
@@ -79,7 +76,7 @@ class PrefixRecords:
     def add(self, units, stop: int, budget: float, records) -> None:
         """The rewrite of ``units`` stopped at node ``stop`` once its collectives reached ``budget``."""
         table = self._by_stop.setdefault(stop, {})
-        key = self._deciding(units, stop)
+        key = deciding(self.first, units, stop)
         if key not in table or table[key][0] < budget:
             table[key] = (budget, records)
 

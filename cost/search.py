@@ -544,16 +544,21 @@ class SearchSpace:
             self._nu[axis] = units
         return self._nu[axis]
 
+    def _cut_graph(self) -> tuple:
+        """(graph, DimInfo) the bounds and one-axis programs read: the reduced ones where
+        repeated blocks were cut away."""
+        r = self.reduced
+        return (r.graph, r.info) if r is not None else (self.graph, self.info)
+
     def _expert_inner_names(self, axis) -> frozenset:
         """Names whose units on ``axis`` split a dim of an MoE layer's expert parameters other
         than the experts dim: every layout holding one is refused (passes/experts.py runs each
         expert whole), so no option holds one."""
-        r = self.reduced
-        graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+        graph, info = self._cut_graph()
         inner = set()
         for region in find_expert_regions(graph, info, warn=False):
             experts = tuple(region.experts_atoms)
-            for p in list(region.params) + [q for ps in region.expert_params for q in ps]:
+            for p in region.every_param:
                 for atoms in (info.of(p) if p in info.dims else ()):
                     lv = tuple(info.leaves(atoms)) if atoms else ()
                     if lv and (region.form == "looped" or lv[:len(experts)] != experts):
@@ -821,8 +826,7 @@ class SearchSpace:
             if self.context and any(names & self.context.names for names in self._split_names(cand).values()):
                 # context-parallel attention places some inputs itself (the mask, the positions):
                 # the data axes are those of build_program's placements
-                r = self.reduced
-                graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+                graph, info = self._cut_graph()
                 try:
                     low = lowered(graph, info, resolve_layout(self._named_red, cand.layout(self.names, self.extra),
                                                               self.mesh), self.mesh, self.context.options(self.mesh))
@@ -843,7 +847,7 @@ class SearchSpace:
         and the size of the axis does not enter), so candidates and mesh shapes share these.
         Raises LayoutError as ``input_placements`` does."""
         r = self.reduced
-        graph, info = (r.graph, r.info) if r is not None else (self.graph, self.info)
+        graph, info = self._cut_graph()
         return self._memo(self._shared, ("axis-placements", r is not None, tuple(units)), lambda: {
             n: p[0] for n, p in input_placements(graph, info, Layout({}, {"axis": list(units)}, {}),
                                                  Mesh({"axis": 1})).items()})
@@ -1266,8 +1270,7 @@ class SearchSpace:
     def _prefix_records(self) -> PrefixRecords:
         """The PrefixRecords of this space's one-axis rewrites (made on first use)."""
         if self._prefix is None:
-            r = self.reduced
-            self._prefix = PrefixRecords(*((r.graph, r.info) if r is not None else (self.graph, self.info)))
+            self._prefix = PrefixRecords(*self._cut_graph())
         return self._prefix
 
     def _resume_path(self, size: int) -> ResumePath:
@@ -1449,7 +1452,7 @@ class SearchSpace:
             i_axis = self.mesh.names.index(axis)
             if self._gatherable is None:
                 experts = {p.name for r in find_expert_regions(self.graph, self.info)
-                           for p in list(r.params) + [q for ps in r.expert_params for q in ps]}
+                           for p in r.every_param}
                 read = {n.name for n in self.graph.nodes if n.op == "placeholder" and n.users}
                 self._gatherable = [(i.name, self.display.get(i.name, i.name)) for i in self.inputs
                                     if i.kind == "parameter" and i.trainable and i.name not in experts

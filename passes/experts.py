@@ -122,6 +122,11 @@ class ExpertRegion:
     router_dims: tuple = ()  # leaf tuples of the router's experts dim (the dim its top-k chooses along)
 
     @property
+    def every_param(self) -> list:
+        """Every expert parameter of the region (stacked, or each looped expert's)."""
+        return list(self.params) + [q for ps in self.expert_params for q in ps]
+
+    @property
     def top_k(self) -> int:
         return int(self.top_k_index.meta["val"].shape[1]) if self.top_k_index is not None else 0
 
@@ -680,6 +685,8 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
     def meta(shape, like):
         return torch.empty(shape, dtype=like.dtype, device="meta")
 
+    for p in r.every_param:
+        _check_whole_experts(lw, r, p, lw.fixed(p.name) or lw.desired(p), ep)
     x = lw.convert(r.hidden, tok, (), r.output, why_tokens)
     cap = r.capacity_factor
     t_cap = new_tag("capacity") if cap is not None and token_axes else None
@@ -706,7 +713,6 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
                                      val=meta((plan.pairs,), _tensor(r.expert_ids)))
         for p in r.params:
             target = lw.fixed(p.name) or lw.desired(p)
-            _check_whole_experts(lw, r, p, target, ep)
             varying = {a for a, o in zip(axes, target) if a in token_axes and not isinstance(o, Shard)}
             env[p] = lw.convert(p, target, varying, r.output, why_tokens)
         out_rows = _copy_body(lw, r, r.body, env, plan.pairs, El)
@@ -757,8 +763,6 @@ def _lower(lw, r: ExpertRegion) -> RegionPlan:
 def _slot_param(lw, r, group, ep, slot, token_axes, call, why):
     """The parameter of this rank's ``slot``-th expert (one per expert in ``group``)."""
     p = group[slot]
-    for g in group:
-        _check_whole_experts(lw, r, g, lw.fixed(g.name) or lw.desired(g), ep)
     if ep is None:
         target = lw.desired(p)
         varying = {a for a in token_axes}

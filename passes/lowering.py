@@ -47,9 +47,14 @@ def decides_locally(visit: Callable) -> Callable:
     return visit
 
 
+def is_local(visit: Callable) -> bool:
+    """Whether lowering ``visit`` is marked :func:`decides_locally`."""
+    return getattr(visit, "decides_locally", False)
+
+
 def all_decide_locally(regions: dict) -> bool:
     """Whether every lowering of ``regions`` ({node: visit}) is marked :func:`decides_locally`."""
-    return all(getattr(v, "decides_locally", False) for v in regions.values())
+    return all(is_local(v) for v in regions.values())
 
 
 class Lowering:

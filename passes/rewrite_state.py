@@ -13,7 +13,8 @@ over: each input read at or after it is placed again by the resuming layout (the
 placed where they appear, at the top of the graph, but a layout decides their placement only
 where they are read: ``passes/untouched.py``). Only layouts whose nodes decide from the units of
 their own values are saved or resumed (``untouched.units_if_local``: no sharded state, no
-gradient buckets, no lowered regions).
+gradient buckets, no input placed by another pass, and only lowerings marked
+``lowering.decides_locally``).
 
 Example::
 

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import fx
 
+from .lowering import is_local
 from .rules import GETITEM, is_tensor_node
 
 
@@ -168,7 +169,7 @@ def untouched_prefix(rw, first: dict) -> int:
         if i >= stop:
             break
         if node.op == "call_function" and (
-                (node in rw.regions and not getattr(rw.regions[node], "decides_locally", False))
+                (node in rw.regions and not is_local(rw.regions[node]))
                 or (node not in rw.regions and node.target is not GETITEM and rw.info.indexing.get(node) is None)):
             return i
     return stop
